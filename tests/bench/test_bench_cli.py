@@ -1,0 +1,95 @@
+import json
+
+import pytest
+
+from tokencake.bench import presets
+from tokencake.bench.systems import ServerConfig, resolve_systems, server_kwargs
+from tokencake.cli import main
+
+
+def test_dry_run_prints_config_and_seeded_workload(capsys):
+    assert (
+        main(["bench", "--preset", "ci", "--dry-run", "--seed", "3", "--systems", "baseline,tokencake"]) == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in data["config"]["systems"]] == ["baseline", "tokencake"]
+    wl = data["workloads"][0]
+    assert wl["seed"] == 3 and wl["llm"]["ignore_eos"] is True and wl["llm"]["temperature"] == 0.0
+    assert wl["arrival"] == "concurrent" and len(wl["arrivals"]) == 5
+    assert "synthetic" in wl["notes"][0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preset", "nope"], "unknown preset"),
+        (["--systems", "baseline,fast"], "unknown system"),
+        (["--rates", "0.1,x"], "--rates"),
+        (["--tool-s", "1,2,3"], "--tool-s"),
+        (["--latency", "quick"], "latency"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    assert main(["bench", "--dry-run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokencake: error:") and message in err
+
+
+def test_presets_are_well_formed():
+    ci = presets.build("ci")
+    assert ci.server.device_blocks == 40 and ci.server.ideal_blocks >= 2 * ci.server.device_blocks
+    # room for every agent's final context (~1,000 tokens + turns) at once: 5 x 12 blocks
+    assert ci.server.ideal_blocks >= 5 * 12
+    assert [s.name for s in ci.systems] == ["baseline", "tokencake", "ideal"]
+    head = presets.build("headroom")
+    assert head.points[0].workload.arrivals[0].params["turns"] == 6
+    paper = presets.build("paper", presets.Overrides(rates=[0.05, 1.0], apps=4))
+    assert [p.label for p in paper.points] == ["0.05/s", "1/s"]
+    assert paper.points[0].workload.arrival == "poisson"
+    wl = paper.points[0].workload
+    assert set(wl.mix) == {"code-writer", "deep-research"} and wl.latency == "paper"
+    assert all(a.inputs.get("task") for a in wl.arrivals)
+
+
+def test_server_kwargs_refuse_flags_the_launcher_cannot_express():
+    class Bare:
+        def __init__(self, model=None, *, baseline=False, num_gpu_blocks=None, host_pool_blocks=None):
+            pass
+
+    config = ServerConfig(device_blocks=40, ideal_blocks=300, host_pool_blocks=64)
+    base, tc_, ideal, pf = resolve_systems(["baseline", "tokencake", "ideal", "prefetch-off"])
+    assert server_kwargs(base, config, Bare)["num_gpu_blocks"] == 40
+    assert "host_pool_blocks" not in server_kwargs(base, config, Bare)
+    assert server_kwargs(ideal, config, Bare)["num_gpu_blocks"] == 300
+    assert server_kwargs(tc_, config, Bare)["host_pool_blocks"] == 64  # all flags on: the default
+    with pytest.raises(ValueError, match="prefetch"):
+        server_kwargs(pf, config, Bare)
+
+    class Direct(Bare):
+        def __init__(self, *a, offload=True, prefetch=True, demand_load=True, **kw):
+            pass
+
+    assert server_kwargs(pf, config, Direct)["prefetch"] is False
+
+
+def test_report_mode_rerenders_stored_results(tmp_path, capsys):
+    results = {
+        "schema_version": 1,
+        "kind": "tokencake-bench",
+        "preset": "ci",
+        "wall_s": 1.0,
+        "valid": True,
+        "warnings": [],
+        "points": [
+            {
+                "label": "ci",
+                "systems": {},
+                "equal_work": {"passed": True, "calls_compared": 0},
+                "comparison": {"tokencake/baseline": {"mean": 0.5, "p95": 0.6}},
+            }
+        ],
+    }
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert main(["bench", "--report", str(tmp_path), "--no-plots"]) == 0
+    assert "tokencake/baseline: mean 0.500" in capsys.readouterr().out
+    assert main(["bench", "--report", str(tmp_path / "missing.json")]) == 2

@@ -1,0 +1,198 @@
+import math
+
+import anyio
+import pytest
+
+from tokencake.bench.metrics import (
+    Histogram,
+    KVSampler,
+    client_summary,
+    equal_work,
+    extension_summary,
+    parse_prometheus,
+    percentile,
+    server_summary,
+    stats_delta,
+    summarize,
+)
+
+
+def test_percentile_linear_interpolation():
+    data = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert percentile(data, 50) == pytest.approx(5.5)
+    assert percentile(data, 95) == pytest.approx(9.55)
+    assert percentile(data, 0) == 1 and percentile(data, 100) == 10
+    assert percentile([4.0], 99) == 4.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile(data, 101)
+
+
+def test_summarize():
+    s = summarize([3.0, 1.0, 2.0])
+    assert s["count"] == 3 and s["mean"] == pytest.approx(2.0) and s["p50"] == 2.0
+    assert s["min"] == 1.0 and s["max"] == 3.0
+    assert summarize([])["mean"] is None
+
+
+TEXT_BEFORE = """# HELP vllm:prompt_tokens_total x
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 80.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 20.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 20.0
+vllm:num_preemptions_total{engine="0",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="m"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0",model_name="m"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 2.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.4
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 2.0
+"""
+
+TEXT_AFTER = """vllm:prompt_tokens_total{engine="0",model_name="m"} 1100.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 380.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 520.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 200.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1100.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 520.0
+vllm:num_preemptions_total{engine="0",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0",model_name="m"} 6.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 6.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 3.4
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 6.0
+"""
+
+
+def test_parse_prometheus_labels_and_values():
+    m = parse_prometheus(TEXT_BEFORE + 'weird{a="x \\"q\\""} 1e3\nbroken line\n')
+    assert m["vllm:prompt_tokens_total"] == [({"engine": "0", "model_name": "m"}, 100.0)]
+    assert m["weird"] == [({"a": 'x "q"'}, 1000.0)]
+    assert "broken" not in m
+
+
+def test_server_summary_is_a_delta():
+    s = server_summary(parse_prometheus(TEXT_BEFORE), parse_prometheus(TEXT_AFTER))
+    assert s["prompt_tokens"] == 1000
+    assert s["computed_prompt_tokens"] == 300
+    assert s["prompt_tokens_by_source"] == {
+        "local_compute": 300,
+        "local_cache_hit": 500,
+        "external_kv_transfer": 200,
+    }
+    assert s["prefix_hit_rate"] == pytest.approx(0.5)
+    assert s["preemptions"] == 3
+    ttft = s["histograms"]["ttft_s"]
+    assert ttft["count"] == 4 and ttft["mean"] == pytest.approx(0.75)
+    # 2 of the 4 new observations are <= 0.5 s, the other 2 in (0.5, 1.0]
+    assert ttft["p50"] == pytest.approx(0.5)
+    assert 0.5 < ttft["p95"] <= 1.0
+    assert s["histograms"]["queue_s"]["count"] == 0 and s["histograms"]["queue_s"]["mean"] is None
+
+
+def test_histogram_quantile_interpolates_and_handles_inf_bucket():
+    h = Histogram(buckets=[(1.0, 10.0), (2.0, 20.0), (math.inf, 20.0)], total=25.0, count=20.0)
+    assert h.quantile(0.5) == pytest.approx(1.0)
+    assert h.quantile(0.75) == pytest.approx(1.5)
+    tail = Histogram(buckets=[(1.0, 1.0), (math.inf, 4.0)], total=9.0, count=4.0)
+    assert tail.quantile(0.99) == 1.0  # beyond the last finite bound
+    assert Histogram([], 0.0, 0.0).quantile(0.5) is None
+
+
+def test_kv_sampler_collects_and_survives_errors():
+    texts = iter(["vllm:kv_cache_usage_perc 0.25\nvllm:num_requests_waiting 2\n", None])
+
+    async def fetch():
+        t = next(texts)
+        if t is None:
+            raise OSError("down")
+        return t
+
+    sampler = KVSampler(fetch, interval_s=0.01, clock=iter([10.0, 11.0]).__next__)
+
+    async def main():
+        await sampler.sample_once()
+        await sampler.sample_once()
+
+    anyio.run(main)
+    assert sampler.errors == 1
+    s = sampler.summary(t0=9.0)
+    assert s["series"] == [{"t": 1.0, "kv_usage": 0.25, "running": 0.0, "waiting": 2.0}]
+    assert s["max"] == 0.25 and s["max_waiting"] == 2.0
+
+
+def test_extension_summary_finds_fields_by_name():
+    stats = {
+        "offload": {"bytes": 3_000_000, "blocks": 10, "seconds": 0.02},
+        "upload": {"bytes": 2_000_000, "seconds": 0.01},
+        "prefetch": {"on_time": 6, "late": 2, "wasted": 1},
+        "demand_load": {"loads": 3},
+        "tokens_from_host": 1280,
+        "enabled": True,
+    }
+    s = extension_summary(stats)
+    assert s["offload_bytes"] == 3_000_000 and s["upload_bytes"] == 2_000_000
+    assert s["prefetch_on_time_rate"] == pytest.approx(0.75)
+    assert s["demand_loads"] == 3 and s["tokens_from_host"] == 1280
+    assert extension_summary(None) is None
+    assert extension_summary({"x": 1})["prefetch_on_time_rate"] is None
+
+
+def test_stats_delta():
+    assert stats_delta({"a": {"b": 1}}, {"a": {"b": 4, "c": 2}}) == {"a.b": 3.0, "a.c": 2.0}
+
+
+def _calls(tokens, key_prefix="r/agent/"):
+    return [
+        {"key": f"{key_prefix}{i}", "completion_tokens": t, "prompt_tokens": 100, "text_sha1": "x"}
+        for i, t in enumerate(tokens)
+    ]
+
+
+def test_equal_work_passes_on_identical_counts():
+    check = equal_work(
+        {"baseline": _calls([16, 16]), "tokencake": _calls([16, 16]), "ideal": _calls([16, 16])}
+    )
+    assert check.ok and check.calls == 2 and not check.mismatched
+
+
+def test_equal_work_detects_different_output_counts():
+    check = equal_work({"baseline": _calls([16, 16]), "tokencake": _calls([16, 9])})
+    assert not check.ok
+    assert check.mismatched == [{"key": "r/agent/1", "completion_tokens": {"baseline": 16, "tokencake": 9}}]
+    assert check.to_dict()["passed"] is False
+
+
+def test_equal_work_detects_missing_calls_and_counts_text_differences():
+    a = _calls([16, 16, 16])
+    b = _calls([16, 16])
+    b[0]["text_sha1"] = "y"
+    check = equal_work({"baseline": a, "tokencake": b})
+    assert not check.ok
+    assert check.missing == [{"key": "r/agent/2", "missing_in": ["tokencake"]}]
+    assert check.text_mismatched == 1
+    assert not equal_work({"baseline": [], "tokencake": []}).ok  # nothing compared is not a pass
+
+
+def test_client_summary_and_node_breakdown():
+    apps = [
+        {
+            "app": "m",
+            "status": "ok",
+            "e2e_s": 10.0,
+            "nodes": {"a": {"llm_s": 4.0, "tool_s": 6.0, "queue_s": 0.0}},
+        },
+        {
+            "app": "m",
+            "status": "ok",
+            "e2e_s": 20.0,
+            "nodes": {"a": {"llm_s": 8.0, "tool_s": 6.0, "queue_s": 0.0}},
+        },
+        {"app": "m", "status": "failed", "e2e_s": 1.0},
+    ]
+    calls = [{"status": 200, "latency_s": 1.0, "prompt_tokens": 5, "completion_tokens": 2}, {"status": 500}]
+    s = client_summary(apps, calls)
+    assert s["apps_failed"] == 1 and s["e2e_s"]["mean"] == 15.0
+    assert s["calls_failed"] == 1 and s["completion_tokens"] == 2
+    assert s["node_breakdown_s"]["m:a"] == {"llm_s": 6.0, "tool_s": 6.0, "queue_s": 0.0}

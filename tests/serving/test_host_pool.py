@@ -1,0 +1,272 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tokencake.serving.host_pool import (
+    HostBlockStore,
+    HostPool,
+    HostPoolExhausted,
+    blocks_for_gib,
+    coalesce_runs,
+)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def fill(pool: HostPool, owner: str, hashes: list[bytes]) -> list[int]:
+    slots = pool.allocate(len(hashes), owner)
+    return [pool.commit(x, s) for x, s in zip(hashes, slots, strict=True)]
+
+
+def test_allocate_commit_lookup() -> None:
+    pool = HostPool(4)
+    slots = pool.allocate(2, "stall-1")
+    assert len(set(slots)) == 2
+    assert [pool.state(s) for s in slots] == ["filling", "filling"]
+    assert pool.lookup(h(1)) is None  # not visible before the copy is confirmed
+    assert pool.commit(h(1), slots[0]) == slots[0]
+    assert pool.lookup(h(1)) == slots[0]
+    assert pool.state(slots[0]) == "ready"
+    assert pool.hash_of(slots[0]) == h(1)
+    assert pool.owners(slots[0]) == {"stall-1"}
+    assert (pool.num_free, pool.num_ready, pool.num_filling) == (2, 1, 1)
+
+
+def test_owned_slots_are_never_reclaimed() -> None:
+    pool = HostPool(2)
+    fill(pool, "s1", [h(1), h(2)])
+    assert pool.available == 0
+    with pytest.raises(HostPoolExhausted, match="0 free, 0 reclaimable, 2 total"):
+        pool.allocate(1, "s2")
+    assert pool.stats()["exhausted"] == 1
+    assert pool.lookup(h(1)) is not None  # nothing was lost
+
+
+def test_lru_reclaim_of_released_slots() -> None:
+    pool = HostPool(3)
+    a = fill(pool, "s1", [h(1)])
+    b = fill(pool, "s2", [h(2)])
+    c = fill(pool, "s3", [h(3)])
+    assert pool.release("s1") == 1
+    assert pool.release("s2") == 1
+    pool.release("s3")
+    assert pool.num_reclaimable == 3
+    pool.touch(a)  # h(1) is now the most recently used: h(2) goes first
+    got = pool.allocate(2, "s4")
+    assert sorted(got) == sorted(b + c)
+    assert pool.lookup(h(2)) is None and pool.lookup(h(3)) is None
+    assert pool.lookup(h(1)) == a[0]
+    assert pool.stats()["reclaimed"] == 2
+
+
+def test_free_slots_before_reclaim() -> None:
+    pool = HostPool(3)
+    a = fill(pool, "s1", [h(1)])
+    pool.release("s1")
+    got = pool.allocate(2, "s2")
+    assert a[0] not in got
+    assert pool.lookup(h(1)) == a[0]
+
+
+def test_allocation_is_all_or_nothing() -> None:
+    pool = HostPool(3)
+    pool.allocate(2, "s1")
+    with pytest.raises(HostPoolExhausted):
+        pool.allocate(2, "s2")
+    assert pool.num_free == 1
+    assert pool.owned_by("s2") == []
+
+
+def test_pins_from_several_owners() -> None:
+    pool = HostPool(2)
+    (slot,) = fill(pool, "stall-a", [h(1)])
+    pool.pin(slot, "stall-b")  # a second session shares the prefix block
+    pool.release("stall-a")
+    assert pool.num_reclaimable == 0
+    pool.unpin(slot, "stall-b")
+    assert pool.num_reclaimable == 1
+    pool.unpin(slot, "never-owned")  # unknown owner: no-op
+    assert pool.num_reclaimable == 1
+
+
+def test_pin_free_slot_rejected() -> None:
+    pool = HostPool(2)
+    with pytest.raises(ValueError, match="free"):
+        pool.pin(0, "s")
+    with pytest.raises(ValueError, match="out of range"):
+        pool.pin(5, "s")
+
+
+def test_commit_deduplicates_shared_prefix() -> None:
+    pool = HostPool(4)
+    (first,) = fill(pool, "s1", [h(1)])
+    (dup,) = pool.allocate(1, "s2")
+    assert pool.commit(h(1), dup) == first
+    assert pool.state(dup) == "free"
+    assert pool.owners(first) == {"s1", "s2"}
+    assert pool.owned_by("s2") == [first]
+    assert pool.stats()["deduplicated"] == 1
+
+
+def test_commit_requires_filling_slot() -> None:
+    pool = HostPool(2)
+    with pytest.raises(ValueError, match="filling"):
+        pool.commit(h(1), 0)
+    (slot,) = fill(pool, "s", [h(1)])
+    with pytest.raises(ValueError, match="filling"):
+        pool.commit(h(2), slot)
+
+
+def test_invalidate_failed_copy() -> None:
+    pool = HostPool(2)
+    slots = pool.allocate(2, "s1")
+    pool.commit(h(1), slots[0])
+    pool.invalidate(slots[1])  # the copy of the second block failed
+    pool.invalidate(slots[0])
+    assert pool.num_free == 2
+    assert pool.lookup(h(1)) is None
+    assert pool.owned_by("s1") == []
+    assert pool.stats()["invalidated"] == 2
+    pool.invalidate(slots[0])  # idempotent
+    assert pool.stats()["invalidated"] == 2
+
+
+def test_drop_by_hash() -> None:
+    pool = HostPool(2)
+    fill(pool, "s", [h(1)])
+    assert pool.drop(h(1)) is True
+    assert pool.drop(h(1)) is False
+    assert pool.num_free == 2
+
+
+def test_match_prefix_stops_at_first_miss() -> None:
+    pool = HostPool(4)
+    slots = fill(pool, "s", [h(1), h(2), h(4)])
+    assert pool.match_prefix([h(1), h(2), h(3), h(4)]) == slots[:2]
+    assert pool.match_prefix([h(9), h(1)]) == []
+
+
+def test_release_leaves_filling_slots_filling() -> None:
+    pool = HostPool(1)
+    (slot,) = pool.allocate(1, "s")
+    pool.release("s")
+    assert pool.state(slot) == "filling"
+    assert pool.available == 0  # a copy in flight is never handed out again
+    pool.commit(h(1), slot)
+    assert pool.num_reclaimable == 1
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        HostPool(-1)
+    pool = HostPool(1)
+    with pytest.raises(ValueError, match="owner"):
+        pool.allocate(1, "")
+    with pytest.raises(ValueError):
+        pool.allocate(-1, "s")
+    assert pool.allocate(0, "s") == []
+
+
+def test_blocks_for_gib() -> None:
+    assert blocks_for_gib(1.0, 1 << 20) == 1024
+    assert blocks_for_gib(0.0, 1 << 20) == 0
+    with pytest.raises(ValueError):
+        blocks_for_gib(1.0, 0)
+    with pytest.raises(ValueError):
+        blocks_for_gib(-1.0, 10)
+
+
+def test_coalesce_runs() -> None:
+    assert coalesce_runs([3, 4, 5, 9, 10], [0, 1, 2, 3, 7]) == [(3, 0, 3), (9, 3, 1), (10, 7, 1)]
+    assert coalesce_runs([], []) == []
+    with pytest.raises(ValueError):
+        coalesce_runs([1], [])
+
+
+# ------------------------------------------------------------------ HostBlockStore
+SHAPES = {"layer.0": (3, 128, 128), "layer.1": (3, 128, 128)}  # [kv_heads, block_size, 2*head_dim]
+
+
+def device_caches(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn((num_blocks, *shape), generator=gen).to(torch.bfloat16)
+        for name, shape in SHAPES.items()
+    }
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_store_round_trip_is_byte_exact(coalesce: bool) -> None:
+    store = HostBlockStore(8, SHAPES, torch.bfloat16, device_is_cuda=False, coalesce=coalesce)
+    assert store.bytes_per_block == 2 * 3 * 128 * 128 * 2
+    assert store.total_bytes == 8 * store.bytes_per_block
+    src = device_caches(10, seed=1)
+    blocks, slots = [2, 3, 7, 0], [5, 6, 1, 2]
+    assert store.save(src, blocks, slots) == 4 * store.bytes_per_block
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    dst_blocks = [9, 4, 5, 1]
+    store.load(dst, slots, dst_blocks)
+    for name in SHAPES:
+        for b, d in zip(blocks, dst_blocks, strict=True):
+            assert torch.equal(as_bits(dst[name][d]), as_bits(src[name][b]))
+        untouched = [i for i in range(10) if i not in dst_blocks]
+        assert torch.count_nonzero(as_bits(dst[name][untouched])) == 0
+
+
+def test_store_keeps_its_tensors() -> None:
+    store = HostBlockStore(4, SHAPES, torch.bfloat16)
+    ptrs = {k: v.data_ptr() for k, v in store.tensors.items()}
+    src = device_caches(4, seed=2)
+    for _ in range(3):
+        store.save(src, [0, 1], [2, 3])
+    assert {k: v.data_ptr() for k, v in store.tensors.items()} == ptrs  # never reallocated
+
+
+def test_store_validates_inputs() -> None:
+    store = HostBlockStore(4, SHAPES, torch.bfloat16)
+    src = device_caches(4, seed=3)
+    with pytest.raises(ValueError, match="2 device blocks but 1 host slots"):
+        store.save(src, [0, 1], [0])
+    with pytest.raises(ValueError, match="out of range"):
+        store.save(src, [0], [4])
+    with pytest.raises(KeyError, match=r"layer\.1"):
+        store.save({"layer.0": src["layer.0"]}, [0], [0])
+    wrong = {k: v.to(torch.float32) for k, v in src.items()}
+    with pytest.raises(ValueError, match="do not match"):
+        store.load(wrong, [0], [0])
+    with pytest.raises(ValueError):
+        HostBlockStore(4, {}, torch.bfloat16)
+
+
+def test_store_with_block_dim_second_via_view() -> None:
+    # e.g. a [2 (K/V), num_blocks, block_size, heads, head_dim] layout, viewed blocks-first
+    kv = torch.randn(2, 6, 4, 2, 8)
+    view = kv.transpose(0, 1)
+    store = HostBlockStore(3, {"l": tuple(view.shape[1:])}, torch.float32)
+    store.save({"l": view}, [1, 4], [0, 2])
+    out = torch.zeros_like(kv)
+    store.load({"l": out.transpose(0, 1)}, [0, 2], [3, 5])
+    assert torch.equal(out[:, 3], kv[:, 1]) and torch.equal(out[:, 5], kv[:, 4])
+
+
+def test_policy_modules_import_neither_torch_nor_vllm() -> None:
+    code = (
+        "import sys\n"
+        "import tokencake.serving.forecast, tokencake.serving.gate, tokencake.serving.host_pool\n"
+        "import tokencake.serving.prefetch, tokencake.serving.sessions, tokencake.serving.stats\n"
+        "import tokencake.serving.event_api\n"
+        "bad = [m for m in ('torch', 'vllm') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

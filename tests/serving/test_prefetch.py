@@ -1,0 +1,198 @@
+from __future__ import annotations
+
+import pytest
+
+from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def planner(clock: Clock) -> PrefetchPlanner:
+    return PrefetchPlanner(clock=clock, safety_margin_s=0.1)
+
+
+def test_expiry_clamp() -> None:
+    assert stall_expiry_s(1.0) == 60.0
+    assert stall_expiry_s(100.0) == 400.0
+    assert stall_expiry_s(5000.0) == 3600.0
+    assert stall_expiry_s(float("nan")) == 60.0
+
+
+def test_due_at_predicted_end_minus_lead(planner: PrefetchPlanner, clock: Clock) -> None:
+    plan = planner.begin("st", "sess", predicted_s=4.0, h2d_s=0.4)
+    assert plan.lead_s == pytest.approx(0.5)
+    assert plan.due_at == pytest.approx(clock.t + 3.5)
+    clock.t += 3.4
+    assert planner.due() == []
+    clock.t += 0.1
+    assert planner.due() == ["st"]
+    assert planner.due() == ["st"]  # stays due until started
+
+
+def test_on_time_prefetch(planner: PrefetchPlanner, clock: Clock) -> None:
+    planner.begin("st", "sess", predicted_s=4.0, h2d_s=0.4)
+    clock.t += 3.5
+    planner.mark_started("st")
+    assert planner.due() == []
+    clock.t += 0.2
+    planner.mark_done("st")
+    clock.t += 0.3
+    planner.end("st")
+    clock.t += 0.05
+    assert planner.on_request("sess") == [("st", "on_time")]
+    stats = planner.stats()
+    assert stats["on_time"] == 1
+    assert stats["started_predictive"] == 1
+    assert stats["on_time_early_by_s"]["p50"] == pytest.approx(0.35)
+    assert stats["open"] == 0
+    assert planner.get("st").classification == "on_time"  # type: ignore[union-attr]
+
+
+def test_early_end_makes_it_due_now(planner: PrefetchPlanner, clock: Clock) -> None:
+    planner.begin("st", "sess", predicted_s=10.0, h2d_s=0.1)
+    clock.t += 1.0
+    plan = planner.end("st")
+    assert plan is not None and plan.due_at == clock.t
+    assert planner.due() == ["st"]
+    planner.mark_started("st")
+    assert planner.stats()["early_end"] == 1
+    assert planner.stats()["started_after_end"] == 1
+    assert planner.end("st") is None  # duplicate end changes nothing
+
+
+def test_late_end_is_prefetched_at_due_time(planner: PrefetchPlanner, clock: Clock) -> None:
+    planner.begin("st", "sess", predicted_s=2.0, h2d_s=0.0)
+    clock.t += 5.0  # the tool overruns its forecast, no end yet: still prefetch
+    assert planner.due() == ["st"]
+    planner.mark_started("st")
+    planner.mark_done("st")
+    clock.t += 1.0
+    planner.end("st")
+    assert planner.stats()["late_end"] == 1
+    assert planner.on_request("sess") == [("st", "on_time")]
+
+
+def test_request_before_prefetch_done_is_late(planner: PrefetchPlanner, clock: Clock) -> None:
+    planner.begin("a", "s1", predicted_s=5.0, h2d_s=0.5)
+    planner.begin("b", "s2", predicted_s=5.0, h2d_s=0.5)
+    clock.t += 4.5
+    planner.mark_started("a")
+    planner.end("a")
+    planner.end("b")
+    assert planner.on_request("s1") == [("a", "late")]  # copy in flight
+    clock.t += 0.2
+    planner.mark_done("a")  # finishes after the request arrived
+    assert planner.stats()["late_by_s"]["p50"] == pytest.approx(0.2)
+    assert planner.on_request("s2") == [("b", "late")]  # due but never started
+    assert planner.due() == []  # a classified stall is never prefetched afterwards
+    assert planner.stats()["late"] == 2
+
+
+def test_evicted_after_prefetch_is_wasted(planner: PrefetchPlanner, clock: Clock) -> None:
+    planner.begin("st", "sess", predicted_s=2.0, h2d_s=0.0)
+    clock.t += 2.0
+    planner.mark_started("st")
+    planner.mark_done("st")
+    planner.end("st")
+    planner.mark_evicted("st")
+    assert planner.on_request("sess") == [("st", "wasted")]
+    assert planner.stats()["evicted_before_use"] == 1
+
+
+def test_hit_on_device_false_marks_wasted(planner: PrefetchPlanner, clock: Clock) -> None:
+    planner.begin("st", "sess", predicted_s=1.0, h2d_s=0.0)
+    clock.t += 1.0
+    planner.mark_started("st")
+    planner.mark_done("st")
+    assert planner.on_request("sess", hit_on_device=False) == [("st", "wasted")]
+
+
+def test_eviction_before_end_reprefetches_at_end(planner: PrefetchPlanner, clock: Clock) -> None:
+    planner.begin("st", "sess", predicted_s=1.0, h2d_s=0.0)
+    clock.t += 1.0
+    planner.mark_started("st")
+    planner.mark_done("st")
+    planner.mark_evicted("st")
+    assert planner.due() == []
+    clock.t += 10.0
+    planner.end("st")
+    assert planner.due() == ["st"]
+    planner.mark_started("st")
+    planner.mark_done("st")
+    assert planner.on_request("sess") == [("st", "on_time")]
+    assert planner.get("st").prefetches == 2  # type: ignore[union-attr]
+    assert planner.stats()["reprefetch_after_eviction"] == 1
+
+
+def test_expiry_without_end(planner: PrefetchPlanner, clock: Clock) -> None:
+    planner.begin("short", "s1", predicted_s=1.0, h2d_s=0.0)  # expires after 60 s
+    planner.begin("long", "s2", predicted_s=100.0, h2d_s=0.0)  # expires after 400 s
+    clock.t += 59.9
+    assert planner.expired() == []
+    clock.t += 0.1
+    assert planner.expired() == ["short"]
+    clock.t += 340.0
+    assert planner.expired() == ["long"]
+    assert planner.stats()["expired"] == 2
+    assert planner.on_request("s1") == []
+
+
+def test_ended_but_never_requested(clock: Clock) -> None:
+    planner = PrefetchPlanner(clock=clock, unused_after_s=30.0)
+    planner.begin("p", "s1", predicted_s=1.0, h2d_s=0.0)
+    planner.begin("q", "s2", predicted_s=100.0, h2d_s=0.0)
+    clock.t += 1.0
+    planner.mark_started("p")
+    planner.mark_done("p")
+    planner.end("p")
+    planner.end("q")
+    planner.cancel("q", "still_on_device")
+    clock.t += 29.0
+    assert planner.expired() == []
+    clock.t += 1.0
+    assert planner.expired() == ["p"]
+    assert planner.get("p").classification == "wasted"  # type: ignore[union-attr]
+    assert planner.stats()["cancelled.still_on_device"] == 1
+
+
+def test_unused_when_never_prefetched(clock: Clock) -> None:
+    planner = PrefetchPlanner(clock=clock, unused_after_s=5.0)
+    planner.begin("r", "s1", predicted_s=100.0, h2d_s=0.0)
+    clock.t += 1.0
+    planner.end("r")  # due now, but the engine never started it (e.g. no device room)
+    clock.t += 4.9
+    assert planner.expired() == []
+    clock.t += 0.1
+    assert planner.expired() == ["r"]
+    assert planner.get("r").classification == "unused"  # type: ignore[union-attr]
+    assert planner.stats()["unused"] == 1
+
+
+def test_parallel_stalls_of_one_session(planner: PrefetchPlanner, clock: Clock) -> None:
+    planner.begin("a", "s", predicted_s=1.0, h2d_s=0.0)
+    planner.begin("b", "s", predicted_s=1.0, h2d_s=0.0)
+    clock.t += 1.0
+    for sid in planner.due():
+        planner.mark_started(sid)
+        planner.mark_done(sid)
+    assert sorted(planner.on_request("s")) == [("a", "on_time"), ("b", "on_time")]
+
+
+def test_capacity_bound(clock: Clock) -> None:
+    planner = PrefetchPlanner(clock=clock, max_stalls=2)
+    for i in range(3):
+        planner.begin(f"s{i}", f"sess{i}", predicted_s=1.0, h2d_s=0.0)
+    assert [p.stall_id for p in planner.open_stalls()] == ["s1", "s2"]
+    assert planner.stats()["dropped_over_capacity"] == 1

@@ -1,0 +1,43 @@
+"""Per-event-loop objects.
+
+httpx/openai async clients keep connections bound to the event loop that opened them, while one
+``LLM`` may serve several loops (``run_sync`` starts a new one each call). This cache hands out one
+object per running loop and drops the previous loop's object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import anyio.lowlevel
+
+T = TypeVar("T")
+
+
+class LoopLocal(Generic[T]):
+    """Lazily create ``factory()`` once per running event loop."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._token: object | None = None
+        self._value: T | None = None
+
+    def get(self) -> T:
+        token = anyio.lowlevel.current_token()
+        if self._value is None or self._token != token:
+            self._value = self._factory()
+            self._token = token
+        return self._value
+
+    def current(self) -> T | None:
+        """The object for the running loop if one was created, else None (does not create)."""
+        try:
+            token = anyio.lowlevel.current_token()
+        except RuntimeError:
+            return None
+        return self._value if self._token == token else None
+
+    def clear(self) -> None:
+        self._value = None
+        self._token = None

@@ -1,0 +1,188 @@
+"""Stall hooks: where the ``stall_begin`` / ``stall_end`` events of tool calls go.
+
+A stall is the time an agent's KV cache sits idle on the GPU because the agent waits for a tool.
+The runner sends ``begin`` right before each tool attempt and ``end`` right after it (always, also
+on errors, timeouts and cancellation). Hooks must never make a tool fail: the reporter swallows
+transport errors, and the runner guards custom hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Any, Protocol, runtime_checkable
+
+import anyio
+import httpx
+
+from tokencake.events import EVENTS_PATH, EventAck, StallBegin, StallEnd
+
+from ._loop import LoopLocal
+
+log = logging.getLogger("tokencake.stall")
+
+
+@runtime_checkable
+class StallHook(Protocol):
+    """Receives the stall events of every tool attempt."""
+
+    async def begin(self, ev: StallBegin) -> None: ...
+
+    async def end(self, ev: StallEnd) -> None: ...
+
+
+class StallRecorder:
+    """Keeps every event in memory (tests, notebooks, benchmarks)."""
+
+    def __init__(self) -> None:
+        self.events: list[StallBegin | StallEnd] = []
+
+    async def begin(self, ev: StallBegin) -> None:
+        self.events.append(ev)
+
+    async def end(self, ev: StallEnd) -> None:
+        self.events.append(ev)
+
+    def pairs(self) -> list[tuple[StallBegin, StallEnd | None]]:
+        """(begin, end) per stall in begin order; end is None while a stall is still open."""
+        ends = {ev.stall_id: ev for ev in self.events if isinstance(ev, StallEnd)}
+        return [(ev, ends.get(ev.stall_id)) for ev in self.events if isinstance(ev, StallBegin)]
+
+    def clear(self) -> None:
+        self.events.clear()
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+class HttpStallReporter:
+    """POSTs each event to ``{events_url}/v1/events`` (the serving extension).
+
+    A server without the extension (404, connection refused, timeout) is not an error: the first
+    failure is reported once as a ``RuntimeWarning``, every failure is counted in ``failures``, and
+    after a timeout events are dropped (counted in ``dropped``) for ``cooldown_s`` so a silent host
+    does not add ``timeout`` seconds to every tool call.
+    """
+
+    def __init__(
+        self,
+        events_url: str,
+        api_key: str | None = None,
+        timeout: float = 2.0,
+        *,
+        cooldown_s: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.events_url = events_url.rstrip("/")
+        self.url = self.events_url + EVENTS_PATH
+        self.api_key = api_key
+        self.timeout = timeout
+        self.cooldown_s = cooldown_s
+        self.sent = 0
+        self.failures = 0
+        self.rejected = 0
+        self.dropped = 0
+        self.last_error: str | None = None
+        self.last_ack: EventAck | None = None
+        self._warned = False
+        self._quiet_until = 0.0
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client: LoopLocal[httpx.AsyncClient] = LoopLocal(
+            lambda: httpx.AsyncClient(timeout=timeout, headers=headers, transport=transport)
+        )
+
+    async def begin(self, ev: StallBegin) -> None:
+        await self._send(ev)
+
+    async def end(self, ev: StallEnd) -> None:
+        await self._send(ev)
+
+    async def _send(self, ev: StallBegin | StallEnd) -> None:
+        if time.monotonic() < self._quiet_until:
+            self.dropped += 1
+            return
+        try:
+            with anyio.fail_after(self.timeout + 0.5):  # bound DNS/connect stalls httpx does not time
+                response = await self._client.get().post(self.url, json=ev.model_dump(mode="json"))
+        except (httpx.TimeoutException, TimeoutError) as exc:
+            self._quiet_until = time.monotonic() + self.cooldown_s
+            self._fail(f"timeout after {self.timeout:g} s ({type(exc).__name__})")
+            return
+        except httpx.HTTPError as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+            return
+        ack = _ack(response)
+        if response.status_code == 200 and ack is not None and ack.ok:
+            self.sent += 1
+            self.last_ack = ack
+        elif ack is not None:
+            # The extension is there and refused this event (unknown_stall, unauthorized, ...).
+            self.rejected += 1
+            self.last_ack = ack
+            self._warn_once(f"stall event {ev.type} {ev.stall_id} rejected: {ack.reason} {ack.detail or ''}")
+        else:
+            self._fail(f"HTTP {response.status_code} from {self.url}")
+
+    def _fail(self, why: str) -> None:
+        self.failures += 1
+        self.last_error = why
+        log.debug("stall event not delivered to %s: %s", self.url, why)
+        self._warn_once(f"stall events are not reaching {self.url} ({why}); tools run normally")
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    async def aclose(self) -> None:
+        client = self._client.current()
+        if client is not None:
+            await client.aclose()
+        self._client.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "sent": self.sent,
+            "failures": self.failures,
+            "rejected": self.rejected,
+            "dropped": self.dropped,
+            "last_error": self.last_error,
+        }
+
+
+def _ack(response: httpx.Response) -> EventAck | None:
+    try:
+        return EventAck.model_validate(response.json())
+    except Exception:
+        return None
+
+
+class StallHooks:
+    """Fan-out to several hooks; a failing custom hook is logged, never raised into the tool."""
+
+    def __init__(self, hooks: list[StallHook]) -> None:
+        self.hooks = hooks
+        self._warned: set[int] = set()
+
+    async def begin(self, ev: StallBegin) -> None:
+        for hook in self.hooks:
+            try:
+                await hook.begin(ev)
+            except Exception as exc:
+                self._report(hook, exc)
+
+    async def end(self, ev: StallEnd) -> None:
+        for hook in self.hooks:
+            try:
+                await hook.end(ev)
+            except Exception as exc:
+                self._report(hook, exc)
+
+    def _report(self, hook: StallHook, exc: Exception) -> None:
+        log.debug("stall hook %r failed", hook, exc_info=exc)
+        if id(hook) not in self._warned:
+            self._warned.add(id(hook))
+            warnings.warn(f"stall hook {hook!r} failed: {exc!r}", RuntimeWarning, stacklevel=3)

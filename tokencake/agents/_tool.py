@@ -1,0 +1,130 @@
+"""A tool: a Python function the agents call, with its schema and its timing hints.
+
+The timing hints (``predict_time``, ``stages``) are what makes TokenCake useful: they travel with
+every stall event so the server can decide whether the agent's KV cache is worth moving out.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from pydantic import BaseModel
+
+from ._errors import AppDefinitionError, ToolArgumentsError
+from ._schema import SchemaError, build_args_model, json_schema, validate_args
+
+# OpenAI function names: letters, digits, underscores and dashes, at most 64 characters.
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(eq=False)
+class Tool:
+    """A registered tool. Build it with ``@app.tool(...)`` or ``app.add_tool(fn, ...)``."""
+
+    name: str
+    fn: Callable[..., Any]
+    predict_time: float | None = None
+    kind: str = "tool"
+    stages: dict[str, float] | None = None
+    timeout: float | None = None
+    retries: int = 0
+    description: str = ""
+    args_model: type[BaseModel] = field(init=False, repr=False)
+    _positional: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not _TOOL_NAME.match(self.name):
+            problems.append(f"tool name {self.name!r} must match [A-Za-z0-9_-]{{1,64}} (an OpenAI name)")
+        pt = self.predict_time
+        if pt is not None and not (isinstance(pt, int | float) and math.isfinite(pt) and pt >= 0):
+            problems.append(f"tool {self.name!r}: predict_time must be a finite number >= 0")
+        if self.timeout is not None and not (self.timeout > 0):
+            problems.append(f"tool {self.name!r}: timeout must be > 0 seconds")
+        if not isinstance(self.retries, int) or self.retries < 0:
+            problems.append(f"tool {self.name!r}: retries must be an int >= 0")
+        if self.stages is not None:
+            if not isinstance(self.stages, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, int | float) and v >= 0 for k, v in self.stages.items()
+            ):
+                problems.append(f"tool {self.name!r}: stages must map names to seconds >= 0")
+            else:
+                self.stages = {k: float(v) for k, v in self.stages.items()}
+        if not callable(self.fn):
+            problems.append(f"tool {self.name!r}: {self.fn!r} is not callable")
+        if problems:
+            raise AppDefinitionError(problems)
+        try:
+            model, doc, positional = build_args_model(self.fn, self.name)
+        except SchemaError as exc:
+            raise AppDefinitionError(f"tool {self.name!r}: {exc}") from exc
+        self.args_model = model
+        self._positional = positional
+        if not self.description:
+            self.description = doc or self.name
+
+    @property
+    def is_async(self) -> bool:
+        return is_async_callable(self.fn)
+
+    @property
+    def predicted_s(self) -> float | None:
+        """The duration hint: ``predict_time``, else the sum of ``stages``, else None."""
+        if self.predict_time is not None:
+            return float(self.predict_time)
+        if self.stages:
+            return float(sum(self.stages.values()))
+        return None
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """JSON schema of the arguments."""
+        return json_schema(self.args_model)
+
+    def openai_schema(self) -> dict[str, Any]:
+        """The entry for the OpenAI ``tools=`` parameter."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+    def validate(self, arguments: Mapping[str, Any] | Any) -> dict[str, Any]:
+        """Validated keyword arguments, or :class:`ToolArgumentsError` naming the tool."""
+        try:
+            args = dict(arguments) if isinstance(arguments, Mapping) else arguments
+            return validate_args(self.args_model, args)
+        except ValueError as exc:
+            raise ToolArgumentsError(self.name, str(exc), arguments) from None
+
+    async def invoke(self, arguments: dict[str, Any]) -> Any:
+        """Run one attempt with already validated arguments (sync functions in a worker thread).
+
+        A sync tool cannot be interrupted; on timeout or cancellation its thread is abandoned and
+        finishes in the background.
+        """
+        args = [arguments[p] for p in self._positional]
+        kwargs = {k: v for k, v in arguments.items() if k not in self._positional}
+        if self.is_async:
+            return await self.fn(*args, **kwargs)
+        result = await anyio.to_thread.run_sync(
+            functools.partial(self.fn, *args, **kwargs), abandon_on_cancel=True
+        )
+        if inspect.isawaitable(result):  # a sync wrapper that returned a coroutine
+            return await result
+        return result
+
+
+def is_async_callable(fn: Any) -> bool:
+    """True for ``async def`` functions, partials of them and objects with an async ``__call__``."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn):
+        return True
+    return callable(fn) and inspect.iscoroutinefunction(fn.__call__)

@@ -1,0 +1,423 @@
+"""The numbers a benchmark reports, and the arithmetic behind them.
+
+Three sources, each used for what it measures best:
+
+* **client side** — app end-to-end latency (arrival → last node done, from the SDK's ``RunResult``) and
+  per-LLM-call latency/usage (:mod:`tokencake.bench.calls`);
+* **vLLM's ``/metrics``** (Prometheus text) — *deltas* over the replay of counters (prompt tokens by
+  source: ``local_compute`` = recomputed/computed prefill, ``local_cache_hit``, ``external_kv_transfer``;
+  prefix-cache queries/hits; preemptions) and of histograms (TTFT, queue time, prefill time), plus the
+  KV-usage gauge sampled over time by :class:`KVSampler`;
+* **the extension's ``/v1/stats``** JSON — offload/upload bytes and times, prefetch outcomes, demand loads
+  (:func:`extension_summary`; absent for stock vLLM).
+
+And the equal-work check (:func:`equal_work`): every system must have produced the same number of
+output tokens for every call, or the latency comparison is meaningless.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------------
+# Plain statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between order statistics; None if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be within 0..100, got {q}")
+    data = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not data:
+        return None
+    pos = (len(data) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
+    """count / mean / p50 / p95 / p99 / min / max of a sample (None fields when empty)."""
+    data = [float(v) for v in values if v is not None]
+    mean = sum(data) / len(data) if data else None
+    return {
+        "count": len(data),
+        "mean": mean,
+        "p50": percentile(data, 50),
+        "p95": percentile(data, 95),
+        "p99": percentile(data, 99),
+        "min": min(data) if data else None,
+        "max": max(data) if data else None,
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prometheus text format
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+#: name -> list of (labels, value)
+Metrics = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def parse_prometheus(text: str) -> Metrics:
+    """Parse Prometheus exposition text into ``{name: [(labels, value), ...]}`` (comments skipped)."""
+    out: Metrics = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, _, labels_text, value_text = m.group(1), m.group(2), m.group(3), m.group(4)
+        try:
+            value = float(value_text)
+        except ValueError:
+            continue
+        labels = {
+            k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(labels_text or "")
+        }
+        out.setdefault(name, []).append((labels, value))
+    return out
+
+
+def metric_value(metrics: Metrics, name: str, **labels: str) -> float:
+    """Sum of all series of ``name`` whose labels include ``labels`` (0 when absent)."""
+    return sum(v for lab, v in metrics.get(name, ()) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+def counter_delta(before: Metrics, after: Metrics, name: str, **labels: str) -> float:
+    return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram (cumulative buckets) or the difference of two snapshots."""
+
+    buckets: list[tuple[float, float]]  # (upper bound, cumulative count), sorted, ends with +Inf
+    total: float
+    count: float
+
+    @classmethod
+    def from_metrics(cls, metrics: Metrics, name: str) -> Histogram:
+        per_le: dict[float, float] = {}
+        for labels, value in metrics.get(f"{name}_bucket", ()):
+            le = labels.get("le")
+            if le is None:
+                continue
+            bound = math.inf if le in ("+Inf", "Inf") else float(le)
+            per_le[bound] = per_le.get(bound, 0.0) + value
+        return cls(
+            buckets=sorted(per_le.items()),
+            total=metric_value(metrics, f"{name}_sum"),
+            count=metric_value(metrics, f"{name}_count"),
+        )
+
+    def __sub__(self, other: Histogram) -> Histogram:
+        prev = dict(other.buckets)
+        return Histogram(
+            buckets=[(le, c - prev.get(le, 0.0)) for le, c in self.buckets],
+            total=self.total - other.total,
+            count=self.count - other.count,
+        )
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count > 0 else None
+
+    def quantile(self, q: float) -> float | None:
+        """Estimate the q-quantile (0..1) by linear interpolation inside the bucket (as PromQL does)."""
+        if self.count <= 0 or not self.buckets:
+            return None
+        rank = q * self.count
+        prev_le, prev_c = 0.0, 0.0
+        for le, c in self.buckets:
+            if c >= rank:
+                if math.isinf(le):
+                    return prev_le  # beyond the last finite bound: the best we can say
+                if c == prev_c:
+                    return le
+                return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+            prev_le, prev_c = le, c
+        return prev_le
+
+    def summary(self) -> dict[str, float | None]:
+        return {
+            "count": self.count,
+            "mean": self.mean,
+            "p50": self.quantile(0.50),
+            "p95": self.quantile(0.95),
+            "p99": self.quantile(0.99),
+        }
+
+
+#: vLLM histograms worth reporting (name without the ``_bucket``/``_sum``/``_count`` suffix).
+SERVER_HISTOGRAMS = {
+    "ttft_s": "vllm:time_to_first_token_seconds",
+    "queue_s": "vllm:request_queue_time_seconds",
+    "prefill_s": "vllm:request_prefill_time_seconds",
+    "decode_s": "vllm:request_decode_time_seconds",
+    "request_e2e_s": "vllm:e2e_request_latency_seconds",
+}
+
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def server_summary(before: Metrics, after: Metrics) -> dict[str, Any]:
+    """What the server did during the replay: counter and histogram deltas of vLLM's ``/metrics``."""
+    by_source = {
+        s: counter_delta(before, after, "vllm:prompt_tokens_by_source_total", source=s)
+        for s in PROMPT_SOURCES
+    }
+    queries = counter_delta(before, after, "vllm:prefix_cache_queries_total")
+    hits = counter_delta(before, after, "vllm:prefix_cache_hits_total")
+    ext_queries = counter_delta(before, after, "vllm:external_prefix_cache_queries_total")
+    ext_hits = counter_delta(before, after, "vllm:external_prefix_cache_hits_total")
+    return {
+        "prompt_tokens": counter_delta(before, after, "vllm:prompt_tokens_total"),
+        "generation_tokens": counter_delta(before, after, "vllm:generation_tokens_total"),
+        "prompt_tokens_by_source": by_source,
+        # Prefill the engine actually computed: first-time prompt tokens plus every recomputation.
+        "computed_prompt_tokens": by_source["local_compute"],
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_hit_rate": ratio(hits, queries),
+        "external_prefix_cache_queries": ext_queries,
+        "external_prefix_cache_hits": ext_hits,
+        "preemptions": counter_delta(before, after, "vllm:num_preemptions_total"),
+        "requests": counter_delta(before, after, "vllm:request_success_total"),
+        "histograms": {
+            key: (Histogram.from_metrics(after, name) - Histogram.from_metrics(before, name)).summary()
+            for key, name in SERVER_HISTOGRAMS.items()
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV usage over time
+
+
+@dataclass
+class KVSampler:
+    """Polls ``/metrics`` in the background and keeps ``(t, kv_usage, running, waiting)`` samples.
+
+    ``fetch`` is an async callable returning the metrics text, so tests can feed canned text.
+    """
+
+    fetch: Callable[[], Any]
+    interval_s: float = 0.5
+    clock: Callable[[], float] = time.time
+    samples: list[dict[str, float]] = field(default_factory=list)
+    errors: int = 0
+
+    async def sample_once(self) -> None:
+        try:
+            text = await self.fetch()
+        except Exception:  # a slow or restarting server must not kill the benchmark
+            self.errors += 1
+            return
+        m = parse_prometheus(text)
+        self.samples.append(
+            {
+                "t": self.clock(),
+                "kv_usage": metric_value(m, "vllm:kv_cache_usage_perc"),
+                "running": metric_value(m, "vllm:num_requests_running"),
+                "waiting": metric_value(m, "vllm:num_requests_waiting"),
+            }
+        )
+
+    async def run(self) -> None:
+        """Sample until cancelled."""
+        import anyio
+
+        while True:
+            await self.sample_once()
+            await anyio.sleep(self.interval_s)
+
+    def summary(self, t0: float) -> dict[str, Any]:
+        usage = [s["kv_usage"] for s in self.samples]
+        return {
+            "interval_s": self.interval_s,
+            "errors": self.errors,
+            "mean": sum(usage) / len(usage) if usage else None,
+            "max": max(usage) if usage else None,
+            "max_waiting": max((s["waiting"] for s in self.samples), default=None),
+            "series": [
+                {
+                    "t": round(s["t"] - t0, 3),
+                    "kv_usage": s["kv_usage"],
+                    "running": s["running"],
+                    "waiting": s["waiting"],
+                }
+                for s in self.samples
+            ],
+        }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Extension stats (/v1/stats of the TokenCake connector)
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of nested dicts as ``{"a.b.c": value}`` (bools count as 0/1)."""
+    out: dict[str, float] = {}
+    if isinstance(data, Mapping):
+        for k, v in data.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(data, bool):
+        out[prefix[:-1]] = float(data)
+    elif isinstance(data, int | float) and not isinstance(data, bool):
+        out[prefix[:-1]] = float(data)
+    return out
+
+
+def _pick(flat: Mapping[str, float], *patterns: str) -> float | None:
+    """Sum of the leaves whose dotted path matches all regex ``patterns`` (None when nothing matches)."""
+    keys = [k for k in flat if all(re.search(p, k) for p in patterns)]
+    return sum(flat[k] for k in keys) if keys else None
+
+
+def extension_summary(stats: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Headline numbers from the extension's ``/v1/stats`` JSON (which is also kept raw).
+
+    The stats document is matched by key names rather than a fixed path so that nesting changes in the
+    connector do not silently zero the benchmark's columns; a field that is not found stays None.
+    """
+    if not stats:
+        return None
+    flat = flatten(stats)
+    on_time = _pick(flat, r"prefetch", r"on_time$")
+    late = _pick(flat, r"prefetch", r"late$")
+    wasted = _pick(flat, r"prefetch", r"wasted$")
+    judged = sum(x for x in (on_time, late) if x is not None)
+    return {
+        "offload_bytes": _pick(flat, r"offload", r"bytes$"),
+        "offload_s": _pick(flat, r"offload", r"(seconds|_s|time_s)$"),
+        "offloaded_blocks": _pick(flat, r"offload", r"blocks$"),
+        "upload_bytes": _pick(flat, r"(upload|onload|load_to_device|h2d)", r"bytes$"),
+        "upload_s": _pick(flat, r"(upload|onload|load_to_device|h2d)", r"(seconds|_s|time_s)$"),
+        "prefetch_on_time": on_time,
+        "prefetch_late": late,
+        "prefetch_wasted": wasted,
+        "prefetch_on_time_rate": (on_time / judged) if on_time is not None and judged > 0 else None,
+        "demand_loads": _pick(flat, r"demand", r"(loads?|count|requests)$"),
+        "tokens_from_host": _pick(flat, r"(host|external)", r"tokens"),
+    }
+
+
+def stats_delta(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> dict[str, float]:
+    """Numeric leaves of ``after`` minus ``before`` (counters since the replay started)."""
+    a, b = flatten(after or {}), flatten(before or {})
+    return {k: v - b.get(k, 0.0) for k, v in a.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Equal-work check
+
+
+@dataclass
+class EqualWork:
+    """Outcome of comparing per-call output token counts across systems."""
+
+    ok: bool
+    calls: int
+    mismatched: list[dict[str, Any]]
+    missing: list[dict[str, Any]]
+    prompt_mismatched: int
+    text_mismatched: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.ok,
+            "calls_compared": self.calls,
+            "output_token_mismatches": self.mismatched[:50],
+            "output_token_mismatch_count": len(self.mismatched),
+            "missing_calls": self.missing[:50],
+            "missing_call_count": len(self.missing),
+            "prompt_token_mismatch_count": self.prompt_mismatched,
+            "output_text_mismatch_count": self.text_mismatched,
+        }
+
+
+def equal_work(calls_by_system: Mapping[str, Sequence[Mapping[str, Any]]]) -> EqualWork:
+    """Compare completion tokens per call key across systems.
+
+    The check fails when any call's output token count differs, or when a call exists in one system but
+    not in another (a failed request, or an app that took a different path). Prompt-token and output-text
+    differences are counted too: with greedy decoding they should be zero, and when they are not the
+    prompt of the next turn differs, which is worth knowing, but only token counts decide validity.
+    """
+    systems = list(calls_by_system)
+    tables = {s: {c["key"]: c for c in calls_by_system[s]} for s in systems}
+    all_keys = sorted(set().union(*(t.keys() for t in tables.values()))) if tables else []
+    mismatched: list[dict[str, Any]] = []
+    missing: list[dict[str, Any]] = []
+    prompt_mm = text_mm = 0
+    for key in all_keys:
+        present = {s: tables[s].get(key) for s in systems}
+        absent = [s for s, c in present.items() if c is None]
+        if absent:
+            missing.append({"key": key, "missing_in": absent})
+            continue
+        outs = {s: c.get("completion_tokens") for s, c in present.items()}
+        if len(set(outs.values())) > 1 or None in outs.values():
+            mismatched.append({"key": key, "completion_tokens": outs})
+        if len({c.get("prompt_tokens") for c in present.values()}) > 1:
+            prompt_mm += 1
+        if len({c.get("text_sha1") for c in present.values()}) > 1:
+            text_mm += 1
+    return EqualWork(
+        ok=not mismatched and not missing and bool(all_keys),
+        calls=len(all_keys),
+        mismatched=mismatched,
+        missing=missing,
+        prompt_mismatched=prompt_mm,
+        text_mismatched=text_mm,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-system summary from client-side records
+
+
+def client_summary(apps: Sequence[Mapping[str, Any]], calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """App E2E and per-call latency statistics plus per-node time breakdown (mean seconds per node)."""
+    ok_apps = [a for a in apps if a.get("status") == "ok"]
+    per_node: dict[str, dict[str, list[float]]] = {}
+    for app in ok_apps:
+        for node, timing in (app.get("nodes") or {}).items():
+            slot = per_node.setdefault(f"{app['app']}:{node}", {})
+            for part in ("queue_s", "llm_s", "tool_s", "stall_s"):
+                value = timing.get(part)
+                if value is not None:
+                    slot.setdefault(part, []).append(float(value))
+    ok_calls = [c for c in calls if c.get("status") == 200]
+    return {
+        "apps": len(apps),
+        "apps_failed": len(apps) - len(ok_apps),
+        "e2e_s": summarize(a["e2e_s"] for a in ok_apps),
+        "call_latency_s": summarize(c["latency_s"] for c in ok_calls),
+        "calls": len(calls),
+        "calls_failed": len(calls) - len(ok_calls),
+        "prompt_tokens": sum(c.get("prompt_tokens") or 0 for c in ok_calls),
+        "completion_tokens": sum(c.get("completion_tokens") or 0 for c in ok_calls),
+        "cached_tokens_reported": sum(c.get("cached_tokens") or 0 for c in ok_calls),
+        "node_breakdown_s": {
+            node: {part: sum(vals) / len(vals) for part, vals in parts.items()}
+            for node, parts in sorted(per_node.items())
+        },
+    }

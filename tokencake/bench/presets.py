@@ -1,0 +1,206 @@
+"""Named benchmark configurations: ``ci``, ``headroom`` and ``paper``.
+
+* ``ci`` — a few minutes on 2 CPU cores including three server starts. Five synthetic multi-turn agents
+  (~1,000-token private contexts, 3 turns, 1–3 s tools) on a 40-block device KV cache: enough pressure
+  that stock vLLM evicts an idle agent's prefix during its tool call.
+* ``headroom`` — the research digest's headroom experiment: six agents, ~1,000-token contexts, 6 turns,
+  3 s tools, 40 device blocks vs a never-evicting ideal. The larger run (about 10 minutes on 2 cores).
+* ``paper`` — the paper's setting: Code-Writer + Deep-Research from the catalog with published tool
+  times, Poisson arrivals swept over 0.05 … 1.0 apps/s. Each point replays ``apps`` arrivals on every
+  system; on 2 CPU cores with SmolLM2-135M a point takes tens of minutes, the sweep several hours (see
+  docs/benchmarks.md). Use a GPU machine or ``--rates`` / ``--apps`` to cut it down.
+
+Every knob can be overridden from the command line (:class:`Overrides`); the resulting config, including
+the full workload, is stored in ``results.json``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tokencake.bench.runner import BenchConfig, Point
+from tokencake.bench.synthetic import DESCRIPTION as SYNTHETIC_DESCRIPTION
+from tokencake.bench.synthetic import MultiTurnSpec
+from tokencake.bench.systems import ServerConfig, resolve_systems
+from tokencake.bench.workload import SYNTHETIC_APP, LLMSettings, make_workload
+
+CPU_BLOCK_TOKENS = 128
+
+
+@dataclass
+class Overrides:
+    """Command-line overrides; None = the preset's value."""
+
+    seed: int = 0
+    model: str | None = None
+    systems: list[str] | None = None
+    apps: int | None = None
+    concurrency: int | None = None
+    rates: list[float] | None = None
+    arrival: str | None = None
+    latency: str | None = None
+    turns: int | None = None
+    context_tokens: int | None = None
+    max_tokens: int | None = None
+    tool_s: tuple[float, float] | None = None
+    device_blocks: int | None = None
+    ideal_blocks: int | None = None
+    host_pool_blocks: int | None = None
+    kv_interval_s: float | None = None
+    extra_server_args: list[str] = field(default_factory=list)
+
+
+def _pick(value, default):
+    return default if value is None else value
+
+
+def _blocks_for_contexts(sessions: int, spec: MultiTurnSpec) -> int:
+    """Device blocks that hold every session's final context at once, with room for one more."""
+    per_turn = spec.max_tokens + spec.tool_result_tokens + 40  # reply + tool result + question/template
+    final_tokens = spec.context_tokens * 1.25 + 64 + spec.turns * per_turn
+    return (sessions + 1) * math.ceil(final_tokens / CPU_BLOCK_TOKENS) + 8
+
+
+def _multi_turn(
+    name: str,
+    o: Overrides,
+    *,
+    agents: int,
+    turns: int,
+    context_tokens: int,
+    max_tokens: int,
+    tool_s: tuple[float, float],
+    device_blocks: int,
+    description: str,
+) -> BenchConfig:
+    spec = MultiTurnSpec(
+        agents=1,
+        turns=_pick(o.turns, turns),
+        context_tokens=_pick(o.context_tokens, context_tokens),
+        max_tokens=_pick(o.max_tokens, max_tokens),
+        tool_s=_pick(o.tool_s, tool_s),
+    )
+    concurrency = _pick(o.concurrency, agents)
+    num_apps = _pick(o.apps, concurrency)
+    params = {
+        "turns": spec.turns,
+        "context_tokens": spec.context_tokens,
+        "max_tokens": spec.max_tokens,
+        "tool_s": list(spec.tool_s),
+    }
+    arrival = _pick(o.arrival, "concurrent")
+    rates = o.rates or [None]
+    points = []
+    for rate in rates:
+        wl = make_workload(
+            name=name,
+            mix={SYNTHETIC_APP: 1.0},
+            num_apps=num_apps,
+            arrival=arrival if rate is None else (o.arrival or "poisson"),
+            rate=rate,
+            concurrency=concurrency,
+            latency=_pick(o.latency, "paper"),
+            seed=o.seed,
+            llm=LLMSettings(max_tokens=spec.max_tokens),
+            app_params={SYNTHETIC_APP: params},
+            notes=(SYNTHETIC_DESCRIPTION,),
+        )
+        label = name if rate is None else f"{name}@{rate:g}/s"
+        points.append(Point(label, wl))
+    device = _pick(o.device_blocks, device_blocks)
+    server = ServerConfig(
+        model=o.model,
+        device_blocks=device,
+        # Never smaller than twice the constrained cache, whatever the estimate says.
+        ideal_blocks=_pick(o.ideal_blocks, max(2 * device, _blocks_for_contexts(concurrency, spec))),
+        host_pool_blocks=_pick(o.host_pool_blocks, 2 * _blocks_for_contexts(concurrency, spec)),
+        extra_args=tuple(o.extra_server_args),
+    )
+    return BenchConfig(
+        preset=name,
+        points=points,
+        systems=resolve_systems(o.systems),
+        server=server,
+        kv_interval_s=_pick(o.kv_interval_s, 0.5),
+        app_timeout_s=900.0,
+        description=description,
+    )
+
+
+def ci(o: Overrides) -> BenchConfig:
+    return _multi_turn(
+        "ci",
+        o,
+        agents=5,
+        turns=3,
+        context_tokens=1000,
+        max_tokens=16,
+        tool_s=(1.0, 3.0),
+        device_blocks=40,
+        description="5 concurrent synthetic multi-turn agents, ~1,000-token contexts, 3 turns, 1-3 s tools, "
+        "40 device KV blocks",
+    )
+
+
+def headroom(o: Overrides) -> BenchConfig:
+    return _multi_turn(
+        "headroom",
+        o,
+        agents=6,
+        turns=6,
+        context_tokens=1000,
+        max_tokens=24,
+        tool_s=(3.0, 3.0),
+        device_blocks=40,
+        description="the research digest's headroom setup: 6 agents, ~1,000-token contexts, 6 turns, "
+        "3 s tools, 24 output tokens per turn, 40 device KV blocks",
+    )
+
+
+PAPER_RATES = (0.05, 0.1, 0.2, 0.5, 1.0)
+PAPER_APPS = ("code-writer", "deep-research")
+
+
+def paper(o: Overrides) -> BenchConfig:
+    rates = o.rates or list(PAPER_RATES)
+    num_apps = _pick(o.apps, 10)
+    points = []
+    for rate in rates:
+        wl = make_workload(
+            name="paper",
+            mix={app: 1.0 for app in PAPER_APPS},
+            num_apps=num_apps,
+            arrival=_pick(o.arrival, "poisson"),
+            rate=rate,
+            latency=_pick(o.latency, "paper"),
+            seed=o.seed,
+            llm=LLMSettings(max_tokens=o.max_tokens),
+        )
+        points.append(Point(f"{rate:g}/s", wl))
+    server = ServerConfig(
+        model=o.model,
+        device_blocks=_pick(o.device_blocks, 64),
+        ideal_blocks=o.ideal_blocks,
+        host_pool_blocks=_pick(o.host_pool_blocks, 512),
+        extra_args=tuple(o.extra_server_args),
+    )
+    return BenchConfig(
+        preset="paper",
+        points=points,
+        systems=resolve_systems(o.systems),
+        server=server,
+        kv_interval_s=_pick(o.kv_interval_s, 1.0),
+        app_timeout_s=3600.0,
+        description="Code-Writer + Deep-Research (catalog), paper tool times, Poisson arrivals, QPS sweep",
+    )
+
+
+PRESETS = {"ci": ci, "headroom": headroom, "paper": paper}
+
+
+def build(name: str, overrides: Overrides | None = None) -> BenchConfig:
+    """The named preset with ``overrides`` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return PRESETS[name](overrides or Overrides())

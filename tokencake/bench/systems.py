@@ -1,0 +1,144 @@
+"""The systems a benchmark compares, and how to start each one as a fresh server.
+
+Every system serves the same model with the same device KV size (``device_blocks``), except ``ideal``,
+whose device KV is large enough that nothing is ever evicted: the physical limit of what keeping KV
+around tool calls can buy. Each is started fresh (empty prefix cache) right before its replay and
+stopped right after it, one at a time, so the ratios come from the same machine state.
+
+==============  ======================================================================================
+``baseline``     stock vLLM (prefix caching on), ``device_blocks`` KV blocks
+``tokencake``    vLLM + the TokenCake extension (offload on stall, prefetch before return, demand load)
+``ideal``        stock vLLM with ``ideal_blocks`` KV blocks (no eviction)
+``prefetch-off`` extension with offload + demand load only (what the public 0.22 port did)
+``demand-off``   extension with offload + predictive prefetch only (no demand-load fallback)
+==============  ======================================================================================
+
+``offload-only`` is accepted as another name for ``prefetch-off``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Extension feature flags (kv_connector_extra_config keys read by the connector).
+EXTENSION_FLAGS = ("offload", "prefetch", "demand_load")
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One system under test."""
+
+    name: str
+    #: True = stock vLLM without the extension.
+    stock: bool
+    #: "device" = the benchmark's device_blocks; "ideal" = ideal_blocks.
+    kv: str = "device"
+    #: Extension feature flags; ignored for stock systems.
+    flags: dict[str, bool] = field(default_factory=dict)
+    description: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "stock": self.stock,
+            "kv": self.kv,
+            "flags": dict(self.flags),
+            "description": self.description,
+        }
+
+
+_ALL_ON = {"offload": True, "prefetch": True, "demand_load": True}
+
+SYSTEMS: dict[str, SystemSpec] = {
+    "baseline": SystemSpec("baseline", stock=True, description="stock vLLM, prefix caching on"),
+    "tokencake": SystemSpec("tokencake", stock=False, flags=dict(_ALL_ON), description="vLLM + TokenCake"),
+    "ideal": SystemSpec(
+        "ideal", stock=True, kv="ideal", description="stock vLLM, KV large enough to never evict"
+    ),
+    "prefetch-off": SystemSpec(
+        "prefetch-off",
+        stock=False,
+        flags={**_ALL_ON, "prefetch": False},
+        description="TokenCake with offload + demand load only",
+    ),
+    "demand-off": SystemSpec(
+        "demand-off",
+        stock=False,
+        flags={**_ALL_ON, "demand_load": False},
+        description="TokenCake with offload + prefetch only",
+    ),
+}
+ALIASES = {"offload-only": "prefetch-off", "stock": "baseline", "vllm": "baseline"}
+DEFAULT_SYSTEMS = ("baseline", "tokencake", "ideal")
+
+
+def resolve_systems(names: list[str] | tuple[str, ...] | None) -> list[SystemSpec]:
+    """Specs for ``names`` (aliases allowed, duplicates dropped); default: baseline, tokencake, ideal."""
+    out: list[SystemSpec] = []
+    for raw in names or DEFAULT_SYSTEMS:
+        name = ALIASES.get(raw, raw)
+        if name not in SYSTEMS:
+            known = ", ".join([*SYSTEMS, *ALIASES])
+            raise ValueError(f"unknown system {raw!r}; choose from {known}")
+        if SYSTEMS[name] not in out:
+            out.append(SYSTEMS[name])
+    return out
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What is identical for every system (besides the KV size of ``ideal``)."""
+
+    model: str | None = None
+    device_blocks: int = 40
+    #: None = the server's default KV size (must be large enough never to evict for the workload).
+    ideal_blocks: int | None = None
+    host_pool_blocks: int | None = None
+    max_model_len: int = 4096
+    eager: bool = True
+    extra_args: tuple[str, ...] = ()
+
+    def blocks_for(self, spec: SystemSpec) -> int | None:
+        return self.ideal_blocks if spec.kv == "ideal" else self.device_blocks
+
+
+#: Server keyword that may carry extension flags, in order of preference.
+_FLAG_KWARGS = ("extension_config", "connector_config", "kv_connector_extra_config", "extension")
+
+
+def server_kwargs(spec: SystemSpec, config: ServerConfig, server_cls: Any) -> dict[str, Any]:
+    """Keyword arguments for ``tokencake.serving.Server`` that start ``spec``.
+
+    Flags are passed as ``Server`` keywords when the launcher accepts them directly (``offload=``, ...),
+    else through its extension-config keyword; a non-default flag set that the launcher cannot express is
+    an error rather than a silently mislabelled system.
+    """
+    kwargs: dict[str, Any] = {
+        "model": config.model,
+        "baseline": spec.stock,
+        "num_gpu_blocks": config.blocks_for(spec),
+        "max_model_len": config.max_model_len,
+        "eager": config.eager,
+    }
+    if config.extra_args:
+        kwargs["extra_args"] = tuple(config.extra_args)
+    if spec.stock:
+        return kwargs
+    if config.host_pool_blocks is not None:
+        kwargs["host_pool_blocks"] = config.host_pool_blocks
+    params = inspect.signature(server_cls).parameters
+    flags = {k: spec.flags.get(k, True) for k in EXTENSION_FLAGS}
+    if all(k in params for k in EXTENSION_FLAGS):
+        kwargs.update(flags)
+    else:
+        key = next((k for k in _FLAG_KWARGS if k in params), None)
+        if key is not None:
+            kwargs[key] = flags
+        elif not all(flags.values()):
+            raise ValueError(
+                f"system {spec.name!r} needs extension flags {flags}, but tokencake.serving.Server accepts "
+                f"none of {', '.join((*EXTENSION_FLAGS, *_FLAG_KWARGS))}"
+            )
+    return kwargs

@@ -1,0 +1,5 @@
+import sys
+
+from tokencake.cli import main
+
+sys.exit(main())

@@ -1,0 +1,278 @@
+"""``tokencake serve`` / ``stop`` / ``model``: run stock vLLM with the TokenCake extension.
+
+``serve`` runs in the foreground until Ctrl-C or SIGTERM (then stops every vLLM process), or with
+``--detach`` leaves the server running and records it under ``$TOKENCAKE_HOME/run/`` for
+``tokencake stop``. Expected failures (bad model path, busy port, missing wheel, GPU flags on a
+CPU machine, vLLM not installed) are one ``CLIError`` line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from tokencake.cli import CLIError
+
+#: Port of ``tokencake serve`` when none is given: what ``tc.LLM()`` expects by default.
+DEFAULT_PORT = 8000
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="start vLLM + the TokenCake extension (default model: bundled SmolLM2-135M)",
+        description=(
+            "Start stock vLLM's OpenAI server with the TokenCake KV connector. Extra vLLM arguments go "
+            "after `--`, e.g. `tokencake serve -- --max-num-seqs 8`."
+        ),
+    )
+    p.add_argument("--model", help="HF model directory or hub id (default: the bundled SmolLM2-135M)")
+    p.add_argument("--served-model-name", help="name clients use (default: derived from --model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"OpenAI port (default {DEFAULT_PORT})")
+    p.add_argument("--events-port", type=int, help="events port (default: --port + 1)")
+    p.add_argument("--api-key", default=os.environ.get("TOKENCAKE_API_KEY"), help="require this API key")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-gib", type=float, help="device KV cache size in GiB (CPU default: 1)")
+    kv.add_argument("--num-gpu-blocks", type=int, help="device KV cache size in blocks")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--host-pool-gib", type=float, help="host KV pool size in GiB")
+    pool.add_argument("--host-pool-blocks", type=int, help="host KV pool size in blocks")
+    p.add_argument("--max-model-len", type=int, default=4096, help="context length (default 4096)")
+    p.add_argument("--baseline", action="store_true", help="stock vLLM without the extension")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--eager", dest="eager", action="store_true", default=True, help="no compile (default)")
+    mode.add_argument("--compile", dest="eager", action="store_false", help="torch.compile (slow start)")
+    p.add_argument("--scheduler-cls", help="vLLM --scheduler-cls to load with the extension")
+    p.add_argument("--no-offload", action="store_true", help="extension: never offload KV to host")
+    p.add_argument("--no-prefetch", action="store_true", help="extension: no predictive prefetch")
+    p.add_argument("--no-demand-load", action="store_true", help="extension: no load on a host hit")
+    gpu = p.add_argument_group("GPU options (refused on a CPU-only machine)")
+    gpu.add_argument("--device", help="cuda (CPU is used when no GPU is visible)")
+    gpu.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory for vLLM")
+    gpu.add_argument("--tensor-parallel-size", "-tp", type=int, help="GPUs per model replica")
+    p.add_argument("--log-file", type=Path, help="vLLM log (default $TOKENCAKE_HOME/logs/...)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    p.add_argument("--detach", action="store_true", help="leave it running; stop with `tokencake stop`")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="extra vLLM arguments after `--`")
+    p.set_defaults(func=cmd_serve)
+
+    s = subparsers.add_parser("stop", help="stop servers started with `tokencake serve --detach`")
+    s.add_argument("--port", type=int, help="only the server on this port (default: all)")
+    s.set_defaults(func=cmd_stop)
+
+    m = subparsers.add_parser("model", help="manage the bundled default model")
+    msub = m.add_subparsers(dest="model_command", metavar="ACTION")
+    prep = msub.add_parser("prepare", help="convert the bundled SmolLM2 GGUF into an HF directory (once)")
+    prep.add_argument("--force", action="store_true", help="convert again even if already prepared")
+    prep.add_argument("--dest", type=Path, help="target directory (default: the TokenCake cache)")
+    prep.set_defaults(func=cmd_model_prepare)
+    path = msub.add_parser("path", help="print the prepared model's directory (exit 1 if not prepared)")
+    path.set_defaults(func=cmd_model_path)
+    m.set_defaults(func=lambda _args: (m.print_help(), 0)[1])
+
+
+# -- serve --------------------------------------------------------------------------------------
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: stop like on Ctrl-C."""
+
+
+def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+    raise _Terminated()
+
+
+def _run_dir() -> Path:
+    from tokencake.serving.model import tokencake_home
+
+    return tokencake_home() / "run"
+
+
+def _extra_args(args: argparse.Namespace) -> list[str]:
+    extra = list(args.vllm_args or [])
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    if args.device:
+        extra += ["--device", args.device]
+    if args.gpu_memory_utilization is not None:
+        extra += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.tensor_parallel_size is not None:
+        extra += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    return extra
+
+
+def build_server(args: argparse.Namespace) -> Any:
+    """The ``Server`` that ``tokencake serve`` would start for ``args`` (not started)."""
+    from tokencake.serving.server import Server
+
+    if args.port is not None and not 0 <= args.port < 65536:
+        raise CLIError(f"--port {args.port} is out of range")
+    for name in ("num_gpu_blocks", "host_pool_blocks", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("kv_cache_gib", "host_pool_gib"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise CLIError(f"--{name.replace('_', '-')} must be > 0")
+    return Server(
+        args.model,
+        port=args.port,
+        host=args.host,
+        api_key=args.api_key or None,
+        baseline=args.baseline,
+        num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_gib=args.kv_cache_gib,
+        host_pool_blocks=args.host_pool_blocks,
+        host_pool_gib=args.host_pool_gib,
+        max_model_len=args.max_model_len,
+        eager=args.eager,
+        extra_args=_extra_args(args),
+        events_port=args.events_port,
+        log_file=args.log_file,
+        served_model_name=args.served_model_name,
+        scheduler_cls=args.scheduler_cls,
+        offload=not args.no_offload,
+        prefetch=not args.no_prefetch,
+        demand_load=not args.no_demand_load,
+        startup_timeout=args.startup_timeout,
+        progress=True,
+        watch_parent=not args.detach,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokencake.serving.model import ModelError
+    from tokencake.serving.server import ServerError
+
+    server = build_server(args)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        try:
+            server.start()
+        except (ServerError, ModelError) as exc:
+            tail = getattr(exc, "log_tail", "")
+            if tail:
+                print(f"--- last lines of {server.log_path} ---\n{tail}\n---", file=sys.stderr)
+            raise CLIError(str(exc)) from None
+        _print_ready(server)
+        if args.detach:
+            state = server.detach()
+            state_file = _run_dir() / f"server-{server.port}.json"
+            state_file.parent.mkdir(parents=True, exist_ok=True)
+            state_file.write_text(json.dumps(state, indent=2) + "\n")
+            print(f"detached (pid {state['pid']}); stop it with: tokencake stop --port {server.port}")
+            return 0
+        print("Ctrl-C to stop.", flush=True)
+        while server.running:
+            time.sleep(0.5)
+        tail = server.log_tail(30)
+        print(f"--- last lines of {server.log_path} ---\n{tail}\n---", file=sys.stderr)
+        server.stop()
+        raise CLIError("vLLM exited unexpectedly")
+    except (KeyboardInterrupt, _Terminated):
+        print("\nstopping vLLM …", file=sys.stderr, flush=True)
+        server.stop()
+        print("stopped.", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if not args.detach:
+            server.stop()
+
+
+def _print_ready(server: Any) -> None:
+    took = f" in {server.startup_s:.0f} s" if server.startup_s is not None else ""
+    mode = "baseline (no extension)" if server.baseline else "TokenCake extension"
+    print(f"vLLM ready{took} — {mode}, model {server.model}")
+    print(f"  base URL:   {server.base_url}")
+    if server.events_url:
+        print(f"  events URL: {server.events_url}")
+    print(f"  log:        {server.log_path}")
+    print(f"  export TOKENCAKE_BASE_URL={server.base_url}", flush=True)
+
+
+# -- stop ---------------------------------------------------------------------------------------
+
+
+def _is_watchdog(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True  # no /proc: trust the state file
+    return b"tokencake.serving._watchdog" in cmdline
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from tokencake.serving.server import stop_process_group
+
+    run = _run_dir()
+    files = sorted(run.glob("server-*.json")) if run.is_dir() else []
+    if args.port is not None:
+        files = [f for f in files if f.name == f"server-{args.port}.json"]
+    if not files:
+        where = f" on port {args.port}" if args.port is not None else ""
+        raise CLIError(f"no detached tokencake server{where} is recorded in {run}")
+    failed = 0
+    for state_file in files:
+        try:
+            state: dict[str, Any] = json.loads(state_file.read_text())
+            pid, pgid = int(state["pid"]), int(state["pgid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            print(f"ignoring unreadable {state_file}", file=sys.stderr)
+            state_file.unlink(missing_ok=True)
+            continue
+        if not _is_watchdog(pid):
+            print(f"server on port {state.get('port')} is not running any more")
+            state_file.unlink(missing_ok=True)
+            continue
+        print(f"stopping server on port {state.get('port')} (pid {pid}) …", flush=True)
+        if stop_process_group(pgid, pid, grace=40.0):
+            state_file.unlink(missing_ok=True)
+            print("stopped.")
+        else:
+            failed += 1
+            print(f"some processes of group {pgid} survived SIGKILL", file=sys.stderr)
+    if failed:
+        raise CLIError(f"{failed} server(s) did not stop")
+    return 0
+
+
+# -- model --------------------------------------------------------------------------------------
+
+
+def cmd_model_prepare(args: argparse.Namespace) -> int:
+    from tokencake.serving.model import ModelError, prepare_model
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        path = prepare_model(args.dest, force=args.force, log=say)
+    except ModelError as exc:
+        raise CLIError(str(exc)) from None
+    print(path)
+    return 0
+
+
+def cmd_model_path(_args: argparse.Namespace) -> int:
+    from tokencake.serving.model import default_model_dir, is_prepared
+
+    path = default_model_dir()
+    print(path)
+    if not is_prepared(path):
+        print("not prepared yet: run `tokencake model prepare`", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,324 @@
+"""The HTTP endpoint that receives stall events: stdlib only, on a daemon thread, never raising.
+
+It runs inside vLLM's EngineCore process (started by the scheduler-side connector), so it must be
+small and harmless: a ``ThreadingHTTPServer`` on its own daemon thread, a body size limit, socket
+timeouts, and every handler error turned into a JSON 500 instead of an exception. The handler
+(``handler(event) -> EventAck``) only does bookkeeping; block copies happen later on the engine
+thread, so an ack never waits for an engine step.
+
+Routes: ``POST /v1/events`` (one event, see ``docs/events.md``), ``GET /v1/stats`` (JSON counters),
+``GET /health``. With ``api_key`` set, events and stats need ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from pydantic import ValidationError
+
+from tokencake.events import (
+    EVENTS_PATH,
+    HEALTH_PATH,
+    STATS_PATH,
+    WIRE_VERSION,
+    EventAck,
+    StallBegin,
+    StallEnd,
+    parse_event,
+)
+from tokencake.serving.stats import Stats
+
+__all__ = ["HTTP_STATUS_BY_REASON", "EventHandler", "EventServer", "http_status"]
+
+logger = logging.getLogger(__name__)
+
+EventHandler = Callable[[StallBegin | StallEnd], EventAck]
+
+#: HTTP status of a rejected ack, by reason code; unknown reasons map to 400.
+HTTP_STATUS_BY_REASON: dict[str, int] = {
+    "invalid_event": 400,
+    "unsupported_version": 400,
+    "unauthorized": 401,
+    "not_found": 404,
+    "unknown_stall": 404,
+    "method_not_allowed": 405,
+    "end_before_begin": 409,
+    "stall_conflict": 409,
+    "session_mismatch": 409,
+    "payload_too_large": 413,
+    "internal_error": 500,
+    "unavailable": 503,
+}
+
+
+def http_status(ack: EventAck) -> int:
+    """200 for accepted acks (recorded/duplicate), else the reason's status (default 400)."""
+    if ack.ok:
+        return 200
+    return HTTP_STATUS_BY_REASON.get(ack.reason or "", 400)
+
+
+def _reject(reason: str, detail: str) -> EventAck:
+    return EventAck(ok=False, status="rejected", reason=reason, detail=detail)
+
+
+def _validation_detail(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    more = len(exc.errors()) - 3
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    # Keep-alive connections park handler threads in a read; closing must not wait for them.
+    block_on_close = False
+    request_queue_size = 128
+
+
+class _HTTPServer6(_HTTPServer):
+    address_family = socket.AF_INET6
+
+
+class EventServer:
+    """Serve ``POST /v1/events``, ``GET /v1/stats``, ``GET /health`` on ``host:port`` (0: a free port)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: EventHandler,
+        stats_fn: Callable[[], dict[str, Any]] | None = None,
+        api_key: str | None = None,
+        *,
+        max_body_bytes: int = 64 * 1024,
+        socket_timeout_s: float = 30.0,
+    ) -> None:
+        self.host = host
+        self.requested_port = port
+        self.handler = handler
+        self.stats_fn = stats_fn
+        self.api_key = api_key or None
+        self.max_body_bytes = max_body_bytes
+        self.socket_timeout_s = socket_timeout_s
+        self.metrics = Stats(hist_window=2048)
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> EventServer:
+        """Bind and serve on a daemon thread; raises ``OSError`` if the port cannot be bound."""
+        with self._lock:
+            if self._httpd is not None:
+                return self
+            request_handler = _make_request_handler(self)
+            server_cls = _HTTPServer6 if ":" in self.host else _HTTPServer
+            httpd = server_cls((self.host, self.requested_port), request_handler)
+            self._httpd = httpd
+            self._thread = threading.Thread(
+                target=httpd.serve_forever,
+                kwargs={"poll_interval": 0.2},
+                name=f"tokencake-events:{self.port}",
+                daemon=True,
+            )
+            self._thread.start()
+            return self
+
+    def close(self) -> None:
+        """Stop serving and free the port (idempotent)."""
+        with self._lock:
+            httpd, thread = self._httpd, self._thread
+            self._httpd = self._thread = None
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> EventServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        return self._httpd is not None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the actual one when started with port 0)."""
+        httpd = self._httpd
+        return int(httpd.server_address[1]) if httpd is not None else self.requested_port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    # ----------------------------------------------------------------- logic
+    def authorized(self, header: str | None) -> bool:
+        """Constant-time check of ``Authorization: Bearer <api_key>`` (always true without a key)."""
+        if self.api_key is None:
+            return True
+        if not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[7:].strip().encode(), self.api_key.encode())
+
+    def handle_event_body(self, body: bytes) -> EventAck:
+        """Parse, validate and dispatch one event body; never raises."""
+        try:
+            event = parse_event(body)
+        except ValidationError as exc:
+            return _reject("invalid_event", _validation_detail(exc))
+        except ValueError as exc:  # pragma: no cover - pydantic wraps JSON errors, kept as a guard
+            return _reject("invalid_event", str(exc)[:500])
+        if event.v != WIRE_VERSION:
+            return _reject(
+                "unsupported_version", f"wire version {event.v}; this server speaks {WIRE_VERSION}"
+            )
+        self.metrics.inc(f"events.{event.type}")
+        t0 = time.perf_counter()
+        try:
+            ack = self.handler(event)
+            if not isinstance(ack, EventAck):
+                ack = EventAck.model_validate(ack)
+        except Exception as exc:
+            self.metrics.inc("handler_errors")
+            logger.exception("tokencake event handler failed on %s %s", event.type, event.stall_id)
+            return _reject("internal_error", f"{type(exc).__name__}: {exc}"[:500])
+        finally:
+            self.metrics.observe("handler_s", time.perf_counter() - t0)
+        return ack
+
+    def stats_body(self) -> dict[str, Any]:
+        """The ``/v1/stats`` document: ``stats_fn()`` plus this server's own counters under ``event_api``."""
+        body: dict[str, Any] = {}
+        if self.stats_fn is not None:
+            produced = self.stats_fn()
+            body = dict(produced) if isinstance(produced, dict) else {"stats": produced}
+        body["event_api"] = self.metrics.snapshot()
+        return body
+
+
+def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
+    class _Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: one connection per client, lower latency
+        server_version = "tokencake-events"
+        sys_version = ""
+        timeout = server.socket_timeout_s
+        wbufsize = 64 * 1024  # one send per response (flushed by handle_one_request)
+
+        def setup(self) -> None:
+            super().setup()
+            try:
+                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover - not a TCP socket
+                pass
+
+        def log_message(self, format: str, *args: Any) -> None:
+            logger.debug("events %s - " + format, self.address_string(), *args)
+
+        def _send_json(self, status: int, payload: Any) -> None:
+            data = json.dumps(payload, default=str).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+            server.metrics.inc(f"http.{status}")
+
+        def _send_ack(self, ack: EventAck) -> None:
+            self._send_json(http_status(ack), ack.model_dump(exclude_none=True))
+
+        def do_GET(self) -> None:
+            try:
+                path = self.path.split("?", 1)[0]
+                if path == HEALTH_PATH:
+                    self._send_json(200, {"ok": True})
+                elif path == STATS_PATH:
+                    if not server.authorized(self.headers.get("Authorization")):
+                        self._send_ack(_reject("unauthorized", "missing or wrong bearer token"))
+                        return
+                    self._send_json(200, server.stats_body())
+                elif path == EVENTS_PATH:
+                    self._send_ack(_reject("method_not_allowed", f"use POST {EVENTS_PATH}"))
+                else:
+                    self._send_ack(_reject("not_found", f"no route {path}"))
+            except Exception as exc:
+                self._internal_error(exc)
+
+        def do_POST(self) -> None:
+            try:
+                path = self.path.split("?", 1)[0]
+                if path != EVENTS_PATH:
+                    self._discard_body()
+                    self._send_ack(_reject("not_found", f"no route {path}"))
+                    return
+                if not server.authorized(self.headers.get("Authorization")):
+                    self._discard_body()
+                    self._send_ack(_reject("unauthorized", "missing or wrong bearer token"))
+                    return
+                body = self._read_body()
+                if body is None:
+                    return
+                t0 = time.perf_counter()
+                ack = server.handle_event_body(body)
+                server.metrics.observe("event_s", time.perf_counter() - t0)
+                self._send_ack(ack)
+            except Exception as exc:
+                self._internal_error(exc)
+
+        def _read_body(self) -> bytes | None:
+            length_header = self.headers.get("Content-Length")
+            try:
+                length = int(length_header) if length_header is not None else -1
+            except ValueError:
+                length = -1
+            if length < 0:
+                self.close_connection = True
+                self._send_ack(_reject("invalid_event", "a Content-Length header is required"))
+                return None
+            if length > server.max_body_bytes:
+                self.close_connection = True  # the unread body would corrupt the next request
+                self._send_ack(
+                    _reject("payload_too_large", f"{length} bytes > limit {server.max_body_bytes}")
+                )
+                return None
+            return self.rfile.read(length)
+
+        def _discard_body(self) -> None:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if 0 <= length <= server.max_body_bytes:
+                self.rfile.read(length)
+            else:
+                self.close_connection = True
+
+        def _internal_error(self, exc: Exception) -> None:
+            server.metrics.inc("internal_errors")
+            logger.exception("tokencake events endpoint failed")
+            self.close_connection = True
+            try:
+                self._send_ack(_reject("internal_error", f"{type(exc).__name__}: {exc}"[:500]))
+            except Exception:  # pragma: no cover - the client is gone
+                pass
+
+    return _Handler

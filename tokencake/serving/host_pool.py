@@ -1,0 +1,444 @@
+"""The host block pool: pre-allocated host memory for KV blocks, and its bookkeeping.
+
+Two classes, split so policy stays testable without torch:
+
+* :class:`HostPool` — pure bookkeeping over ``num_blocks`` slot indices: free list, block-hash →
+  slot index, per-slot state (``free`` → ``filling`` → ``ready``), owners (stall or session ids)
+  that pin slots, and an LRU of ready slots nobody owns, reclaimed when the free list runs dry.
+  A hash becomes visible to :meth:`HostPool.lookup` only after :meth:`HostPool.commit`, i.e.
+  after the copy is confirmed, so nobody can load a half-written block.
+* :class:`HostBlockStore` — the memory itself: one tensor per layer, ``[num_blocks, *block_shape]``,
+  allocated once (pinned on CUDA, pre-touched on CPU) and reused forever; offloads never allocate.
+  Copy helpers move whole blocks between the device KV cache and host slots.
+
+Nothing here imports torch at module import time (the scheduler side runs without tensors).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+__all__ = [
+    "HostBlockStore",
+    "HostPool",
+    "HostPoolExhausted",
+    "SlotState",
+    "blocks_for_gib",
+    "coalesce_runs",
+]
+
+SlotState = Literal["free", "filling", "ready"]
+
+
+class HostPoolExhausted(RuntimeError):
+    """Raised by :meth:`HostPool.allocate` when neither free nor reclaimable slots suffice."""
+
+
+def blocks_for_gib(gib: float, bytes_per_block: int) -> int:
+    """How many whole blocks of ``bytes_per_block`` fit in ``gib`` GiB (at least 0)."""
+    if bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block must be > 0, got {bytes_per_block}")
+    if not math.isfinite(gib) or gib < 0:
+        raise ValueError(f"host pool size must be a finite GiB value >= 0, got {gib}")
+    return int(gib * (1 << 30)) // bytes_per_block
+
+
+class HostPool:
+    """Slot bookkeeping of the host block pool (thread-safe; O(1) per slot operation)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._lock = threading.RLock()
+        self._free: deque[int] = deque(range(num_blocks))
+        self._state: list[SlotState] = ["free"] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
+        self._owners: list[set[str]] = [set() for _ in range(num_blocks)]
+        self._index: dict[bytes, int] = {}
+        self._owned: dict[str, set[int]] = {}
+        # Ready slots without owners, oldest first: the reclaim order.
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._counts = dict.fromkeys(
+            ("allocated", "committed", "deduplicated", "invalidated", "reclaimed", "exhausted"), 0
+        )
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Ready slots no owner pins (reclaimed LRU-first when the free list is empty)."""
+        with self._lock:
+            return len(self._lru)
+
+    @property
+    def available(self) -> int:
+        """Slots an :meth:`allocate` call can get right now (free + reclaimable)."""
+        with self._lock:
+            return len(self._free) + len(self._lru)
+
+    @property
+    def num_ready(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    @property
+    def num_filling(self) -> int:
+        with self._lock:
+            return sum(1 for s in self._state if s == "filling")
+
+    def state(self, slot: int) -> SlotState:
+        with self._lock:
+            return self._state[self._check(slot)]
+
+    def hash_of(self, slot: int) -> bytes | None:
+        """The block hash a ready slot holds (None while free or filling)."""
+        with self._lock:
+            return self._hash[self._check(slot)]
+
+    def owners(self, slot: int) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._owners[self._check(slot)])
+
+    def owned_by(self, owner: str) -> list[int]:
+        with self._lock:
+            return sorted(self._owned.get(owner, ()))
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The ready slot holding ``block_hash``, or None."""
+        with self._lock:
+            return self._index.get(block_hash)
+
+    def match_prefix(self, block_hashes: Iterable[bytes], *, touch: bool = True) -> list[int]:
+        """Slots of the longest leading run of ``block_hashes`` that are ready on host.
+
+        Prefix-cache hits need an unbroken chain from the first block, so the scan stops at the
+        first miss. ``touch`` marks the hits most recently used.
+        """
+        slots: list[int] = []
+        with self._lock:
+            for h in block_hashes:
+                slot = self._index.get(h)
+                if slot is None:
+                    break
+                slots.append(slot)
+            if touch:
+                self._touch(slots)
+        return slots
+
+    # --------------------------------------------------------------- mutation
+    def allocate(self, n: int, owner: str) -> list[int]:
+        """Take ``n`` slots for a copy in progress (state ``filling``, pinned by ``owner``).
+
+        Free slots first, then the least recently used unowned ready slots (their hashes are
+        dropped). All or nothing: raises :class:`HostPoolExhausted` if ``n`` slots cannot be had.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} slots")
+        if not owner:
+            raise ValueError("allocate needs a non-empty owner id")
+        with self._lock:
+            available = len(self._free) + len(self._lru)
+            if n > available:
+                self._counts["exhausted"] += 1
+                raise HostPoolExhausted(
+                    f"host pool cannot provide {n} blocks: {len(self._free)} free, "
+                    f"{len(self._lru)} reclaimable, {self.num_blocks} total "
+                    f"({self.num_blocks - available} pinned by active stalls or copies in flight); "
+                    "raise host_pool_blocks / host_pool_gib"
+                )
+            slots: list[int] = []
+            while len(slots) < n and self._free:
+                slots.append(self._free.popleft())
+            while len(slots) < n:
+                slot, _ = self._lru.popitem(last=False)
+                self._drop_hash(slot)
+                self._counts["reclaimed"] += 1
+                slots.append(slot)
+            for slot in slots:
+                self._state[slot] = "filling"
+                self._add_owner(slot, owner)
+            self._counts["allocated"] += n
+            return slots
+
+    def commit(self, block_hash: bytes, slot: int) -> int:
+        """Publish a filled slot under ``block_hash`` once its copy is confirmed; returns the slot in use.
+
+        If another slot already holds the same hash (two sessions offloaded a shared prefix), this
+        slot is freed, its owners move to the existing slot, and the existing slot is returned.
+        """
+        if not isinstance(block_hash, (bytes, bytearray)) or not block_hash:
+            raise ValueError("commit needs a non-empty bytes block hash")
+        block_hash = bytes(block_hash)
+        with self._lock:
+            self._check(slot)
+            if self._state[slot] != "filling":
+                raise ValueError(f"slot {slot} is {self._state[slot]}, only a filling slot can be committed")
+            existing = self._index.get(block_hash)
+            if existing is not None:
+                owners = set(self._owners[slot])
+                self._release_slot(slot)
+                for owner in owners:
+                    self._add_owner(existing, owner)
+                self._counts["deduplicated"] += 1
+                return existing
+            self._state[slot] = "ready"
+            self._hash[slot] = block_hash
+            self._index[block_hash] = slot
+            if not self._owners[slot]:
+                self._lru[slot] = None
+            self._counts["committed"] += 1
+            return slot
+
+    def invalidate(self, slot: int) -> None:
+        """Return a slot to the free list whatever its state (failed copy, corrupt block)."""
+        with self._lock:
+            self._check(slot)
+            if self._state[slot] == "free":
+                return
+            self._release_slot(slot)
+            self._counts["invalidated"] += 1
+
+    def drop(self, block_hash: bytes) -> bool:
+        """Invalidate the ready slot of ``block_hash`` if any (e.g. a load of it failed)."""
+        with self._lock:
+            slot = self._index.get(block_hash)
+            if slot is None:
+                return False
+            self.invalidate(slot)
+            return True
+
+    def touch(self, slots: Iterable[int]) -> None:
+        """Mark slots most recently used (only affects unowned ready slots)."""
+        with self._lock:
+            self._touch(slots)
+
+    def pin(self, slot: int, owner: str) -> None:
+        """Add ``owner`` to a filling or ready slot: it will not be reclaimed until unpinned."""
+        if not owner:
+            raise ValueError("pin needs a non-empty owner id")
+        with self._lock:
+            self._check(slot)
+            if self._state[slot] == "free":
+                raise ValueError(f"slot {slot} is free; pin only filling or ready slots")
+            self._add_owner(slot, owner)
+
+    def pin_many(self, slots: Iterable[int], owner: str) -> None:
+        with self._lock:
+            for slot in slots:
+                self.pin(slot, owner)
+
+    def unpin(self, slot: int, owner: str) -> None:
+        with self._lock:
+            self._check(slot)
+            self._remove_owner(slot, owner)
+
+    def release(self, owner: str) -> int:
+        """Unpin every slot ``owner`` holds (stall ended, expired or failed); returns how many.
+
+        Released ready slots stay cached and become LRU-reclaimable; filling slots stay filling
+        (their copy decides: :meth:`commit` or :meth:`invalidate`).
+        """
+        with self._lock:
+            slots = list(self._owned.get(owner, ()))
+            for slot in slots:
+                self._remove_owner(slot, owner)
+            return len(slots)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "num_blocks": self.num_blocks,
+                "free": len(self._free),
+                "ready": len(self._index),
+                "filling": sum(1 for s in self._state if s == "filling"),
+                "reclaimable": len(self._lru),
+                "owners": len(self._owned),
+                **self._counts,
+            }
+
+    # ---------------------------------------------------------------- helpers
+    def _check(self, slot: int) -> int:
+        if not isinstance(slot, int) or not 0 <= slot < self.num_blocks:
+            raise ValueError(f"slot {slot!r} out of range [0, {self.num_blocks})")
+        return slot
+
+    def _touch(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            if slot in self._lru:
+                self._lru.move_to_end(slot)
+
+    def _add_owner(self, slot: int, owner: str) -> None:
+        self._owners[slot].add(owner)
+        self._owned.setdefault(owner, set()).add(slot)
+        self._lru.pop(slot, None)
+
+    def _remove_owner(self, slot: int, owner: str) -> None:
+        owners = self._owners[slot]
+        if owner not in owners:
+            return
+        owners.discard(owner)
+        held = self._owned.get(owner)
+        if held is not None:
+            held.discard(slot)
+            if not held:
+                del self._owned[owner]
+        if not owners and self._state[slot] == "ready":
+            self._lru[slot] = None
+
+    def _drop_hash(self, slot: int) -> None:
+        h = self._hash[slot]
+        if h is not None and self._index.get(h) == slot:
+            del self._index[h]
+        self._hash[slot] = None
+
+    def _release_slot(self, slot: int) -> None:
+        for owner in list(self._owners[slot]):
+            self._remove_owner(slot, owner)
+        self._lru.pop(slot, None)
+        self._drop_hash(slot)
+        self._state[slot] = "free"
+        self._free.append(slot)
+
+
+def coalesce_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Group index pairs into ``(src_start, dst_start, length)`` runs where both sides are consecutive.
+
+    Fewer, larger copies: a session's blocks are often allocated back to back on both sides.
+    """
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+class HostBlockStore:
+    """Host memory of the pool: one tensor ``[num_blocks, *block_shape]`` per KV-cache layer.
+
+    Allocated once; pinned when the device is CUDA (so copies are async DMA), otherwise zero-filled
+    up front so the first offload does not pay page faults. ``save`` copies device blocks into
+    host slots, ``load`` the reverse. On CUDA the copies are issued ``non_blocking`` per contiguous
+    run on the current stream: the caller owns the stream and must record/wait an event before
+    committing slots (save) or letting a forward read the blocks (load). On CPU a batched
+    ``index_select`` + ``index_copy_`` per layer is synchronous and done when the call returns.
+
+    Device tensors must have the block dimension first (the CPU backend's
+    ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``); for layouts like
+    ``[2, num_blocks, ...]`` pass the view ``kv.transpose(0, 1)`` and its ``shape[1:]`` as block shape.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        layer_shapes: Mapping[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        device_is_cuda: bool = False,
+        *,
+        coalesce: bool | None = None,
+    ) -> None:
+        import torch
+
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if not layer_shapes:
+            raise ValueError("HostBlockStore needs at least one layer shape")
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.device_is_cuda = device_is_cuda
+        #: Per-run ``copy_`` (required for async CUDA copies) instead of index_select/index_copy_.
+        self.coalesce = device_is_cuda if coalesce is None else coalesce
+        self.block_shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in layer_shapes.items()}
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, shape in self.block_shapes.items():
+            full = (num_blocks, *shape)
+            if device_is_cuda:
+                self.tensors[name] = torch.empty(full, dtype=dtype, pin_memory=True)
+            else:
+                self.tensors[name] = torch.zeros(full, dtype=dtype)
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_block = sum(math.prod(s) for s in self.block_shapes.values()) * elem
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    def save(
+        self,
+        layer_tensors: Mapping[str, torch.Tensor],
+        device_block_ids: Sequence[int],
+        slots: Sequence[int],
+    ) -> int:
+        """Copy device blocks ``device_block_ids[i]`` → host ``slots[i]`` for every layer; returns bytes."""
+        self._check_ids(device_block_ids, slots)
+        for name, host in self.tensors.items():
+            dev = self._layer(layer_tensors, name)
+            if self.coalesce:
+                for s, d, n in coalesce_runs(device_block_ids, slots):
+                    host[d : d + n].copy_(dev[s : s + n], non_blocking=self.device_is_cuda)
+            else:
+                src_idx = self._index(device_block_ids, dev.device)
+                dst_idx = self._index(slots, host.device)
+                host.index_copy_(0, dst_idx, dev.index_select(0, src_idx).to(host.device))
+        return len(slots) * self.bytes_per_block
+
+    def load(
+        self,
+        layer_tensors: Mapping[str, torch.Tensor],
+        slots: Sequence[int],
+        device_block_ids: Sequence[int],
+    ) -> int:
+        """Copy host ``slots[i]`` → device blocks ``device_block_ids[i]`` for every layer; returns bytes."""
+        self._check_ids(device_block_ids, slots)
+        for name, host in self.tensors.items():
+            dev = self._layer(layer_tensors, name)
+            if self.coalesce:
+                for s, d, n in coalesce_runs(slots, device_block_ids):
+                    dev[d : d + n].copy_(host[s : s + n], non_blocking=self.device_is_cuda)
+            else:
+                src_idx = self._index(slots, host.device)
+                dst_idx = self._index(device_block_ids, dev.device)
+                dev.index_copy_(0, dst_idx, host.index_select(0, src_idx).to(dev.device))
+        return len(slots) * self.bytes_per_block
+
+    # ---------------------------------------------------------------- helpers
+    def _layer(self, layer_tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+        dev = layer_tensors.get(name)
+        if dev is None:
+            raise KeyError(f"layer {name!r} of the host store is missing from the device KV caches")
+        if tuple(dev.shape[1:]) != self.block_shapes[name] or dev.dtype != self.dtype:
+            raise ValueError(
+                f"layer {name!r}: device blocks {tuple(dev.shape[1:])} {dev.dtype} do not match "
+                f"host blocks {self.block_shapes[name]} {self.dtype}"
+            )
+        return dev
+
+    def _check_ids(self, device_block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        if len(device_block_ids) != len(slots):
+            raise ValueError(f"{len(device_block_ids)} device blocks but {len(slots)} host slots")
+        for slot in slots:
+            if not 0 <= slot < self.num_blocks:
+                raise ValueError(f"host slot {slot} out of range [0, {self.num_blocks})")
+
+    @staticmethod
+    def _index(ids: Sequence[int], device: Any) -> torch.Tensor:
+        import torch
+
+        return torch.as_tensor(list(ids), dtype=torch.long, device=device)

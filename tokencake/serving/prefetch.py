@@ -1,0 +1,308 @@
+"""When to bring an offloaded session's blocks back to the device, and how well that went.
+
+Timing rule (``docs/policy.md``): for a stall that began at ``begin_at`` with forecast
+``predicted_s``, the upload is due at ``begin_at + max(predicted_s − lead_s, 0)`` with
+``lead_s = estimated H2D time + safety_margin_s``, so the blocks land on device just before the
+tool returns. A ``stall_end`` earlier than that makes it due at once. A stall that runs past its
+forecast is still prefetched at the due time (the blocks sit in the device prefix cache at the
+evictable end, never pinned); if no end arrives by ``clamp(4 × predicted, 60 s, 1 h)`` the stall
+expires and its host pins should be released.
+
+Every stall gets exactly one classification, at the session's next request or at expiry:
+``on_time`` (blocks on device when the request came), ``late`` (prefetch in flight or not yet
+started at arrival — demand load takes over), ``wasted`` (prefetched but evicted before use, or
+never used), ``unused`` (ended, never prefetched, no next request), ``expired`` (no end in time).
+
+All times are server-side (``clock``, monotonic by default; injectable for tests) — never the
+client's ``ts``, whose clock may differ. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tokencake.serving.stats import Histogram
+
+__all__ = [
+    "CLASSIFICATIONS",
+    "Classification",
+    "PlannedStall",
+    "PrefetchPlanner",
+    "PrefetchState",
+    "stall_expiry_s",
+]
+
+PrefetchState = Literal["waiting", "prefetching", "on_device", "evicted", "cancelled", "done"]
+Classification = Literal["on_time", "late", "wasted", "unused", "expired"]
+CLASSIFICATIONS: tuple[str, ...] = ("on_time", "late", "wasted", "unused", "expired")
+
+
+def stall_expiry_s(
+    predicted_s: float, *, factor: float = 4.0, min_s: float = 60.0, max_s: float = 3600.0
+) -> float:
+    """How long a stall may go without ``stall_end``: ``clamp(factor × predicted, min_s, max_s)``."""
+    p = predicted_s if math.isfinite(predicted_s) and predicted_s > 0 else 0.0
+    return min(max(factor * p, min_s), max_s)
+
+
+@dataclass
+class PlannedStall:
+    """The prefetch plan and progress of one offloaded stall (server clock)."""
+
+    stall_id: str
+    session_id: str
+    begin_at: float
+    predicted_s: float
+    lead_s: float
+    due_at: float
+    expires_at: float
+    state: PrefetchState = "waiting"
+    ended_at: float | None = None
+    started_at: float | None = None
+    done_at: float | None = None
+    arrived_at: float | None = None
+    #: True once the prefetch was started before the stall ended (a predictive upload).
+    predictive: bool = False
+    prefetches: int = 0
+    evictions: int = 0
+    classification: Classification | None = None
+    cancel_reason: str | None = None
+
+
+class PrefetchPlanner:
+    """Per-stall prefetch schedule + on-time/late/wasted accounting (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        safety_margin_s: float = 0.05,
+        expiry_factor: float = 4.0,
+        expiry_min_s: float = 60.0,
+        expiry_max_s: float = 3600.0,
+        unused_after_s: float = 60.0,
+        max_stalls: int = 4096,
+        max_finished: int = 1024,
+    ) -> None:
+        if safety_margin_s < 0 or unused_after_s < 0 or max_stalls < 1 or max_finished < 1:
+            raise ValueError("safety_margin_s/unused_after_s must be >= 0, max_stalls/max_finished >= 1")
+        self._clock = clock
+        self.safety_margin_s = safety_margin_s
+        self.expiry_factor = expiry_factor
+        self.expiry_min_s = expiry_min_s
+        self.expiry_max_s = expiry_max_s
+        self.unused_after_s = unused_after_s
+        self.max_stalls = max_stalls
+        self._lock = threading.Lock()
+        self._stalls: OrderedDict[str, PlannedStall] = OrderedDict()
+        self._finished: OrderedDict[str, PlannedStall] = OrderedDict()
+        self._max_finished = max_finished
+        self._counts: dict[str, int] = dict.fromkeys(CLASSIFICATIONS, 0)
+        self._early_by = Histogram(512)  # on_time: seconds the blocks were ready before the request
+        self._late_by = Histogram(512)  # late: seconds the request arrived before the blocks were ready
+
+    def _now(self, now: float | None) -> float:
+        return self._clock() if now is None else now
+
+    # -------------------------------------------------------------- lifecycle
+    def begin(
+        self, stall_id: str, session_id: str, predicted_s: float, h2d_s: float, *, now: float | None = None
+    ) -> PlannedStall:
+        """Plan the upload for a stall whose blocks are (being) offloaded; returns a copy of the plan."""
+        t = self._now(now)
+        predicted = predicted_s if math.isfinite(predicted_s) and predicted_s > 0 else 0.0
+        lead = (h2d_s if math.isfinite(h2d_s) and h2d_s > 0 else 0.0) + self.safety_margin_s
+        plan = PlannedStall(
+            stall_id=stall_id,
+            session_id=session_id,
+            begin_at=t,
+            predicted_s=predicted,
+            lead_s=lead,
+            due_at=t + max(predicted - lead, 0.0),
+            expires_at=t
+            + stall_expiry_s(
+                predicted, factor=self.expiry_factor, min_s=self.expiry_min_s, max_s=self.expiry_max_s
+            ),
+        )
+        with self._lock:
+            self._stalls[stall_id] = plan
+            self._stalls.move_to_end(stall_id)
+            while len(self._stalls) > self.max_stalls:
+                _, old = self._stalls.popitem(last=False)
+                self._classify(old, "expired")
+                self._count("dropped_over_capacity")
+            self._count("planned")
+            return dataclasses.replace(plan)
+
+    def end(self, stall_id: str, *, now: float | None = None) -> PlannedStall | None:
+        """The tool returned: a not-yet-started upload (or one whose blocks were evicted) is due now."""
+        t = self._now(now)
+        with self._lock:
+            plan = self._stalls.get(stall_id)
+            if plan is None or plan.ended_at is not None:
+                return None
+            plan.ended_at = t
+            if plan.state == "evicted":
+                plan.state = "waiting"  # prefetched too early and lost: upload again now
+                plan.due_at = t
+                self._count("reprefetch_after_eviction")
+            elif plan.state == "waiting" and plan.due_at > t:
+                plan.due_at = t
+                self._count("early_end")
+            elif t > plan.begin_at + plan.predicted_s:
+                self._count("late_end")
+            return dataclasses.replace(plan)
+
+    def due(self, now: float | None = None) -> list[str]:
+        """Stalls whose upload should start now (state ``waiting``, ``due_at <= now``), earliest first."""
+        t = self._now(now)
+        with self._lock:
+            ready = [p for p in self._stalls.values() if p.state == "waiting" and p.due_at <= t]
+            ready.sort(key=lambda p: p.due_at)
+            return [p.stall_id for p in ready]
+
+    def mark_started(self, stall_id: str, *, now: float | None = None) -> None:
+        """The upload was issued (blocks allocated on device, copy queued)."""
+        t = self._now(now)
+        with self._lock:
+            plan = self._stalls.get(stall_id)
+            if plan is None or plan.state != "waiting":
+                return
+            plan.state, plan.started_at = "prefetching", t
+            plan.prefetches += 1
+            plan.predictive = plan.predictive or plan.ended_at is None
+            self._count("started")
+            self._count("started_predictive" if plan.ended_at is None else "started_after_end")
+
+    def mark_done(self, stall_id: str, *, now: float | None = None) -> None:
+        """The uploaded blocks are on device and registered in the prefix cache."""
+        t = self._now(now)
+        with self._lock:
+            plan = self._stalls.get(stall_id) or self._finished.get(stall_id)
+            if plan is None or plan.state != "prefetching":
+                return
+            plan.done_at = t
+            if plan.classification == "late" and plan.arrived_at is not None:
+                self._late_by.add(t - plan.arrived_at)
+                plan.state = "done"
+                return
+            plan.state = "on_device"
+            self._count("completed")
+
+    def mark_evicted(self, stall_id: str) -> None:
+        """Prefetched blocks left the device again before the next request used them."""
+        with self._lock:
+            plan = self._stalls.get(stall_id)
+            if plan is None or plan.state != "on_device":
+                return
+            plan.state = "evicted"
+            plan.evictions += 1
+            self._count("evicted_before_use")
+
+    def cancel(self, stall_id: str, reason: str) -> None:
+        """Stop planning (offload failed, blocks still on device, prefetch failed); no classification."""
+        with self._lock:
+            plan = self._stalls.pop(stall_id, None)
+            if plan is None:
+                return
+            plan.state, plan.cancel_reason = "cancelled", reason
+            self._remember(plan)
+            self._count(f"cancelled.{reason}")
+
+    def on_request(
+        self, session_id: str, *, hit_on_device: bool | None = None, now: float | None = None
+    ) -> list[tuple[str, Classification]]:
+        """Classify the session's open stalls when its next request arrives.
+
+        ``hit_on_device=False`` says the prefix was *not* found on device (a prefetch that had
+        completed was evicted meanwhile → ``wasted``). Returns ``[(stall_id, classification)]``;
+        the stalls leave the plan (release their host pins after the request loaded).
+        """
+        t = self._now(now)
+        out: list[tuple[str, Classification]] = []
+        with self._lock:
+            for sid in [s for s, p in self._stalls.items() if p.session_id == session_id]:
+                plan = self._stalls.pop(sid)
+                plan.arrived_at = t
+                if plan.state == "on_device" and hit_on_device is not False:
+                    cls: Classification = "on_time"
+                    if plan.done_at is not None:
+                        self._early_by.add(t - plan.done_at)
+                elif plan.state in ("on_device", "evicted"):
+                    cls = "wasted"
+                else:  # waiting or prefetching: the request is ahead of the upload
+                    cls = "late"
+                self._classify(plan, cls)
+                out.append((sid, cls))
+        return out
+
+    def expired(self, now: float | None = None) -> list[str]:
+        """Stalls to give up on: no end by ``expires_at``, or ended ``unused_after_s`` ago with no request.
+
+        Returns their ids (release their host pins); they are classified ``expired``, ``wasted``
+        (prefetched, never used) or ``unused``.
+        """
+        t = self._now(now)
+        gone: list[str] = []
+        with self._lock:
+            for sid, plan in list(self._stalls.items()):
+                if plan.ended_at is None:
+                    if t < plan.expires_at:
+                        continue
+                    cls: Classification = "expired"
+                elif t - plan.ended_at >= self.unused_after_s:
+                    cls = "wasted" if plan.state in ("on_device", "evicted") else "unused"
+                else:
+                    continue
+                del self._stalls[sid]
+                self._classify(plan, cls)
+                gone.append(sid)
+        return gone
+
+    # ---------------------------------------------------------------- queries
+    def get(self, stall_id: str) -> PlannedStall | None:
+        """A copy of the plan (open or recently finished), or None."""
+        with self._lock:
+            plan = self._stalls.get(stall_id) or self._finished.get(stall_id)
+            return dataclasses.replace(plan) if plan is not None else None
+
+    def open_stalls(self, session_id: str | None = None) -> list[PlannedStall]:
+        with self._lock:
+            return [
+                dataclasses.replace(p)
+                for p in self._stalls.values()
+                if session_id is None or p.session_id == session_id
+            ]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "open": len(self._stalls),
+                **dict(sorted(self._counts.items())),
+                "on_time_early_by_s": self._early_by.summary(),
+                "late_by_s": self._late_by.summary(),
+            }
+
+    # ---------------------------------------------------------------- helpers
+    def _classify(self, plan: PlannedStall, cls: Classification) -> None:
+        plan.classification = cls
+        if plan.state != "prefetching":
+            plan.state = "done"
+        self._count(cls)
+        self._remember(plan)
+
+    def _remember(self, plan: PlannedStall) -> None:
+        self._finished[plan.stall_id] = plan
+        self._finished.move_to_end(plan.stall_id)
+        while len(self._finished) > self._max_finished:
+            self._finished.popitem(last=False)
+
+    def _count(self, name: str) -> None:
+        self._counts[name] = self._counts.get(name, 0) + 1

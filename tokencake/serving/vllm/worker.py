@@ -1,0 +1,116 @@
+"""Worker-side half of the connector: runs the copies the scheduler planned.
+
+Runs in vLLM's worker process (one per GPU; one process on the CPU backend). It owns the host
+pool's tensors (allocated in ``register_kv_caches``, once) and executes each step's
+:class:`~tokencake.serving.vllm.metadata.CopyJob` list in ``start_load_kv``:
+
+* ``load`` jobs (demand loads) feed a forward of this very step; vLLM calls ``start_load_kv``
+  before the forward when the step has such loads, and on CUDA the compute stream waits on
+  the copy's event.
+* ``offload`` and ``prefetch`` jobs touch blocks no running request reads or writes (the
+  scheduler pinned or privately allocated them), so they may overlap the forward.
+
+Completions go back to the scheduler through ``build_connector_worker_meta`` (vLLM carries it
+in ``KVConnectorOutput.kv_connector_worker_meta``); a failed demand load is also reported by
+block id in ``get_block_ids_with_load_errors`` so vLLM recomputes those tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from tokencake.serving.vllm._copy import BlockCopier, CopyHandle
+from tokencake.serving.vllm.metadata import CopyJob, JobResult, TokenCakeMetadata, TokenCakeWorkerMeta
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("vllm.tokencake.worker")
+
+
+class WorkerSide:
+    """Executes copy jobs; never raises into vLLM's forward path (errors become failed jobs)."""
+
+    def __init__(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        self.copier: BlockCopier | None = None
+        self._inflight: dict[int, tuple[CopyJob, CopyHandle]] = {}
+        self._finished: dict[int, JobResult] = {}
+        self._load_errors: set[int] = set()
+        self.error: str | None = None
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Allocate the host pool next to the device KV (same dtype and per-block shape)."""
+        try:
+            self.copier = BlockCopier(kv_caches, self.num_device_blocks, self.num_host_blocks)
+            log.info(
+                "TokenCake host pool: %d blocks x %d bytes (%.1f MiB), pinned=%s",
+                self.num_host_blocks,
+                self.copier.block_bytes,
+                self.num_host_blocks * self.copier.block_bytes / 2**20,
+                self.copier.is_cuda,
+            )
+        except Exception as exc:  # no host pool: every job fails, vLLM recomputes
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("TokenCake host pool allocation failed; copies disabled")
+
+    def start_jobs(self, meta: TokenCakeMetadata) -> None:
+        """Submit this step's copies in order; demand loads are ordered before the forward."""
+        for job in meta.jobs:
+            if job.job_id in self._inflight or job.job_id in self._finished:
+                continue  # the same metadata bound twice (defensive): never copy twice
+            if job.invalid:
+                self._load_errors.update(job.device_blocks)
+                continue
+            try:
+                if self.copier is None:
+                    raise RuntimeError(self.error or "host pool not allocated")
+                handle = self.copier.copy(job.direction, job.device_blocks, job.host_slots)
+                if job.kind == "load":
+                    handle.order_before_compute()
+            except Exception as exc:
+                log.warning("TokenCake copy job %d (%s) failed: %s", job.job_id, job.kind, exc)
+                self._finished[job.job_id] = JobResult(False, 0.0, 0, f"{type(exc).__name__}: {exc}")
+                if job.kind == "load":
+                    self._load_errors.update(job.device_blocks)
+                continue
+            self._inflight[job.job_id] = (job, handle)
+        self._poll()
+
+    def _poll(self) -> None:
+        for job_id, (_job, handle) in list(self._inflight.items()):
+            if handle.done():
+                del self._inflight[job_id]
+                self._finished[job_id] = JobResult(True, handle.seconds, handle.nbytes)
+
+    def take_results(self) -> TokenCakeWorkerMeta | None:
+        """Finished jobs since the last call (None when nothing finished)."""
+        self._poll()
+        if not self._finished:
+            return None
+        out = TokenCakeWorkerMeta(self._finished)
+        self._finished = {}
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        """Device block ids whose demand load failed since the last call."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._inflight)
+
+    def shutdown(self) -> None:
+        for _job, handle in self._inflight.values():
+            try:
+                handle.wait()
+            except Exception:
+                pass
+        self._inflight.clear()
+
+
+__all__ = ["WorkerSide"]
