@@ -205,13 +205,13 @@ async def test_tool_timeout_applies_per_attempt_and_raises_tool_timeout():
     t0 = time.perf_counter()
     with pytest.raises(tc.NodeFailed) as info:
         await app.run(llm=tc.ScriptedLLM("x"))
-    assert time.perf_counter() - t0 < 0.45
+    assert time.perf_counter() - t0 < 0.9  # two attempts that waited for the thread: >= 1.0 s
     cause = info.value.__cause__
     assert isinstance(cause, tc.ToolTimeout)
     assert cause.tool == "stuck" and cause.attempts == 2
     ends = [e for e in info.value.result.stall_events if isinstance(e, StallEnd)]
     assert [e.outcome for e in ends] == ["timeout", "timeout"]
-    assert all(0.09 <= e.duration_s < 0.3 for e in ends)
+    assert all(0.09 <= e.duration_s < 0.45 for e in ends)
 
 
 async def test_sync_function_nodes_run_in_threads():
@@ -227,10 +227,10 @@ async def test_sync_function_nodes_run_in_threads():
         time.sleep(0.3)
         return 2
 
-    t0 = time.perf_counter()
     result = await app.run(llm=tc.ScriptedLLM("x"))
-    assert time.perf_counter() - t0 < 0.55
     assert result.output == {"one": 1, "two": 2}
+    n1, n2 = result.nodes["one"], result.nodes["two"]
+    assert min(n1.finished, n2.finished) - max(n1.started, n2.started) > 0.15  # overlapped
 
 
 async def test_run_result_timings_usage_events_and_serialization():

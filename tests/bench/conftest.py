@@ -23,10 +23,14 @@ EVENTS_PORT = 9
 
 
 class FakeVLLM:
-    def __init__(self, *, hit_fraction: float = 0.0, short_by: int = 0, stats: dict[str, Any] | None = None):
+    def __init__(
+        self, *, hit_fraction: float = 0.0, short_by: int = 0, stats: dict[str, float] | None = None
+    ) -> None:
         self.hit_fraction = hit_fraction
         self.short_by = short_by
+        #: Extension counters added per chat completion (None = a stock server without /v1/stats).
         self.stats = stats
+        self.ext_counters: dict[str, float] = {}
         self.bodies: list[dict[str, Any]] = []
         self.c = {
             "prompt": 0.0,
@@ -91,6 +95,8 @@ class FakeVLLM:
         c["ttft_count"] += 1
         c["ttft_le_0_1"] += ttft <= 0.1
         c["ttft_le_1"] += 1
+        for name, n in (self.stats or {}).items():
+            self.ext_counters[name] = self.ext_counters.get(name, 0) + n
         text = " ".join(f"w{i}" for i in range(completion))
         return {
             "id": f"chatcmpl-{len(self.bodies)}",
@@ -123,11 +129,9 @@ class FakeVLLM:
         if path == "/v1/stats" and request.url.port == EVENTS_PORT:
             if self.stats is None:
                 return httpx.Response(404)
-            return httpx.Response(200, json=self.stats)
+            return httpx.Response(200, json={"counters": dict(self.ext_counters), "histograms": {}})
         if path == "/v1/events" and request.url.port == EVENTS_PORT:
             event = json.loads(request.content)
-            if self.stats is not None:
-                self.stats["events"] = self.stats.get("events", 0) + 1
             return httpx.Response(200, json={"ok": True, "status": "recorded", "decision": event.get("type")})
         return httpx.Response(404, json={"error": f"no route {request.method} {path}"})
 

@@ -22,11 +22,13 @@ def test_dry_run_prints_config_and_seeded_workload(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--preset", "nope"], "unknown preset"),
         (["--systems", "baseline,fast"], "unknown system"),
         (["--rates", "0.1,x"], "--rates"),
         (["--tool-s", "1,2,3"], "--tool-s"),
         (["--latency", "quick"], "latency"),
+        (["--mix", "multi_turn=1,chess=2"], "unknown app"),
+        (["--mix", "multi_turn=x"], "weight"),
+        (["--repeat", "0"], "--repeat"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
@@ -93,3 +95,22 @@ def test_report_mode_rerenders_stored_results(tmp_path, capsys):
     assert main(["bench", "--report", str(tmp_path), "--no-plots"]) == 0
     assert "tokencake/baseline: mean 0.500" in capsys.readouterr().out
     assert main(["bench", "--report", str(tmp_path / "missing.json")]) == 2
+
+
+def test_mix_override_adds_catalog_apps(capsys):
+    argv = ["bench", "--dry-run", "--mix", "multi_turn=3,deep-research=1", "--apps", "8", "--seed", "1"]
+    assert main(argv) == 0
+    wl = json.loads(capsys.readouterr().out)["workloads"][0]
+    apps = [a["app"] for a in wl["arrivals"]]
+    assert set(apps) <= {"multi_turn", "deep-research"} and len(apps) == 8
+    research = [a for a in wl["arrivals"] if a["app"] == "deep-research"]
+    assert all(a["inputs"]["task"] for a in research)
+
+
+def test_preset_choices_match_the_presets(capsys):
+    from tokencake.cli._bench import PRESET_NAMES
+
+    assert tuple(presets.PRESETS) == PRESET_NAMES
+    with pytest.raises(SystemExit):
+        main(["bench", "--preset", "nope", "--dry-run"])
+    assert "invalid choice" in capsys.readouterr().err

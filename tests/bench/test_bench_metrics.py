@@ -122,21 +122,51 @@ def test_kv_sampler_collects_and_survives_errors():
     assert s["max"] == 0.25 and s["max_waiting"] == 2.0
 
 
-def test_extension_summary_finds_fields_by_name():
-    stats = {
-        "offload": {"bytes": 3_000_000, "blocks": 10, "seconds": 0.02},
-        "upload": {"bytes": 2_000_000, "seconds": 0.01},
-        "prefetch": {"on_time": 6, "late": 2, "wasted": 1},
-        "demand_load": {"loads": 3},
-        "tokens_from_host": 1280,
-        "enabled": True,
+def _snapshot(**counters):
+    return {
+        "counters": counters,
+        "gauges": {},
+        "histograms": {"offload.seconds": {"count": 2, "sum": 0.02, "mean": 0.01}},
+        "config": {"offload": True},
     }
-    s = extension_summary(stats)
-    assert s["offload_bytes"] == 3_000_000 and s["upload_bytes"] == 2_000_000
-    assert s["prefetch_on_time_rate"] == pytest.approx(0.75)
+
+
+def test_extension_summary_reads_connector_counters_as_deltas():
+    before = _snapshot(**{"offload.bytes": 1000, "prefetch.on_time": 1})
+    after = _snapshot(
+        **{
+            "offload.bytes": 3_001_000,
+            "offload.blocks": 10,
+            "prefetch.bytes": 1_000_000,
+            "load.bytes": 500_000,
+            "prefetch.on_time": 7,
+            "prefetch.late": 1,
+            "prefetch.wasted": 1,
+            "prefetch.superseded_by_request": 1,
+            "demand_load.requests": 3,
+            "tokens.from_host": 1280,
+            "next_turn.prefix_tokens_recomputed": 0,
+            "stalls.decision.offload": 4,
+            "stalls.decision.too_short": 0,
+            "errors.tick": 2,
+        }
+    )
+    s = extension_summary(after, before)
+    assert s["offload_bytes"] == 3_000_000 and s["offloaded_blocks"] == 10
+    assert s["upload_bytes"] == 1_500_000
+    assert s["offload_s"] == 0.0  # histogram sum unchanged between the snapshots
+    assert s["prefetch_on_time"] == 6
+    assert s["prefetch_on_time_rate"] == pytest.approx(6 / 9)
     assert s["demand_loads"] == 3 and s["tokens_from_host"] == 1280
+    assert s["next_turn_prefix_tokens_recomputed"] == 0
+    assert s["stall_decisions"] == {"offload": 4}
+    assert s["errors"] == {"tick": 2}
     assert extension_summary(None) is None
-    assert extension_summary({"x": 1})["prefetch_on_time_rate"] is None
+    empty = extension_summary(_snapshot())
+    assert (
+        empty["prefetch_on_time_rate"] is None and empty["offload_bytes"] == 0 and empty["upload_bytes"] == 0
+    )
+    assert extension_summary({"other": 1})["offload_bytes"] is None  # not a connector snapshot
 
 
 def test_stats_delta():

@@ -35,11 +35,8 @@ def _run(fake_server, config, tmp_path):
     )
 
 
-STATS = {
-    "offload": {"bytes": 4096, "blocks": 2, "seconds": 0.01},
-    "upload": {"bytes": 2048, "seconds": 0.005},
-    "prefetch": {"on_time": 3, "late": 1, "wasted": 0},
-}
+#: Extension counters the fake tokencake server adds per chat completion.
+STATS = {"offload.bytes": 4096, "offload.blocks": 2, "prefetch.on_time": 3, "prefetch.late": 1}
 
 
 def test_full_run_produces_valid_results_and_files(fake_server, fake_vllm, tmp_path):
@@ -48,7 +45,7 @@ def test_full_run_produces_valid_results_and_files(fake_server, fake_vllm, tmp_p
             return fake_vllm(hit_fraction=0.0)
         if server.kwargs["baseline"]:
             return fake_vllm(hit_fraction=0.9)
-        return fake_vllm(hit_fraction=0.6, stats=json.loads(json.dumps(STATS)))
+        return fake_vllm(hit_fraction=0.6, stats=STATS)
 
     fake_server.make_backend = staticmethod(backend)
     config = _config(systems=["baseline", "tokencake", "ideal", "offload-only"])
@@ -85,18 +82,21 @@ def test_full_run_produces_valid_results_and_files(fake_server, fake_vllm, tmp_p
     assert comp["prefetch_on_time_rate"] == pytest.approx(0.75)
     assert set(comp) >= {"tokencake/baseline", "tokencake/ideal", "baseline/ideal", "prefetch-off/baseline"}
     assert point["systems"]["baseline"]["extension"] is None
-    assert point["systems"]["tokencake"]["extension"]["summary"]["offload_bytes"] == 4096
+    assert point["systems"]["tokencake"]["extension"]["summary"]["offload_bytes"] == 6 * 4096
 
     written = report.write_all(results, tmp_path / "out")
     names = {p.name for p in written}
     assert names == {
         "results.json",
         "summary.csv",
+        "summary.md",
         "calls.csv",
         "e2e_cdf.png",
         "kv_usage.png",
         "node_breakdown.png",
     }
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "| app E2E mean (s) |" in md and "tokencake/baseline" in md and "Equal work: passed" in md
     for p in written:
         assert p.stat().st_size > 0, p
     assert (tmp_path / "out" / "e2e_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -151,3 +151,47 @@ def test_open_loop_arrivals_start_on_schedule(fake_server, fake_vllm, tmp_path):
     starts = [a["arrival_s"] for a in point["systems"]["baseline"]["apps"]]
     assert starts == pytest.approx([0.0, 0.05, 0.1], abs=1e-6)
     assert point["workload"]["rate"] == 20.0 and point["workload"]["arrival"] == "uniform"
+
+
+def test_a_system_that_cannot_start_is_reported_and_the_others_kept(fake_server, fake_vllm, tmp_path):
+    class Flaky(fake_server):
+        def __enter__(self):
+            if not self.kwargs["baseline"]:
+                raise RuntimeError("vLLM exited during startup")
+            return super().__enter__()
+
+    Flaky.make_backend = staticmethod(lambda server: fake_vllm())
+    results = run_bench(
+        _config(systems=["baseline", "tokencake"]),
+        server_cls=Flaky,
+        log_dir=tmp_path,
+        transport=lambda: Flaky.instances[-1].backend.transport(),
+    )
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    assert results["valid"] is False and results["failed_systems"] == ["ci:tokencake"]
+    assert list(results["points"][0]["systems"]) == ["baseline"]
+    assert any("vLLM exited during startup" in w and "ci-tokencake.log" in w for w in results["warnings"])
+
+
+def test_interleaved_rounds_are_pooled(fake_server, fake_vllm, tmp_path, capsys):
+    fake_server.make_backend = staticmethod(
+        lambda server: fake_vllm(hit_fraction=0.0 if server.kwargs["baseline"] else 0.5)
+    )
+    config = presets.build("ci", presets.Overrides(systems=["baseline", "tokencake"], repeat=2, **TINY))
+    results = _run(fake_server, config, tmp_path)
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    # Interleaved: baseline, tokencake, baseline, tokencake.
+    assert [s.kwargs["baseline"] for s in fake_server.instances] == [True, False, True, False]
+    assert [p["label"] for p in results["points"]] == ["ci#1", "ci#2"]
+    agg = results["aggregate"]["ci"]
+    assert agg["repeats"] == 2 and agg["systems"]["baseline"]["e2e_s"]["count"] == 6
+    per_round = agg["tokencake/baseline_mean_per_round"]
+    assert len(per_round) == 2 and all(r is not None for r in per_round)
+    pooled = [a["e2e_s"] for p in results["points"] for a in p["systems"]["tokencake"]["apps"]]
+    assert agg["systems"]["tokencake"]["e2e_s"]["mean"] == pytest.approx(sum(pooled) / len(pooled))
+    assert agg["comparison"]["recomputed_tokens_avoided"] > 0
+
+    from rich.console import Console
+
+    report.render(results, Console(width=160))
+    assert "2 interleaved rounds pooled" in capsys.readouterr().out

@@ -268,6 +268,10 @@ class App:
             v = getattr(node, opt)
             if v is not None and not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 problems.append(f"{node.kind} {node.name!r}: {opt} must be a finite number >= 0")
+        if node.agent_type is not None and not (
+            isinstance(node.agent_type, str) and len(node.agent_type) <= 200
+        ):
+            problems.append(f"{node.kind} {node.name!r}: agent_type must be a string of <= 200 characters")
         if node.max_tokens is not None and not (isinstance(node.max_tokens, int) and node.max_tokens > 0):
             problems.append(f"{node.kind} {node.name!r}: max_tokens must be a positive int")
         if problems:

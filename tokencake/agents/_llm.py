@@ -25,6 +25,7 @@ from ._loop import LoopLocal
 from ._stall import HttpStallReporter
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,11 @@ class LLM:
     Arguments default to the environment: ``TOKENCAKE_BASE_URL`` (default
     ``http://127.0.0.1:8000/v1``), ``TOKENCAKE_MODEL`` (default: the first model the server lists),
     ``TOKENCAKE_API_KEY`` and ``TOKENCAKE_EVENTS_URL``. ``events_url="auto"`` derives the events
-    listener from the base URL (port + 1); ``False`` disables stall reporting.
+    listener from the base URL (port + 1); ``False`` disables stall reporting. Without an argument or
+    the variable, a loopback base URL gets ``"auto"`` (the local ``tokencake serve`` layout; a server
+    without the extension costs one warning), any other host gets no reporting.
+    ``extra_body`` fields go into every request (a call's own ``extra_body`` wins), e.g.
+    ``{"ignore_eos": True}`` for equal-work benchmarks.
     ``max_retries`` are the HTTP retries of the openai client (tool retries are separate).
     """
 
@@ -109,7 +114,9 @@ class LLM:
         timeout: float = 300.0,
         max_retries: int = 2,
         http_client: httpx.AsyncClient | None = None,
+        extra_body: Mapping[str, Any] | None = None,
     ) -> None:
+        self.extra_body: dict[str, Any] = dict(extra_body or {})
         self.base_url = (base_url or os.environ.get("TOKENCAKE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
         self.model = model or os.environ.get("TOKENCAKE_MODEL") or None
         self.api_key = api_key or os.environ.get("TOKENCAKE_API_KEY") or None
@@ -124,6 +131,8 @@ class LLM:
     def _events_url(self, events_url: str | bool | None) -> str | None:
         if events_url is None:
             events_url = os.environ.get("TOKENCAKE_EVENTS_URL") or None
+        if events_url is None and urlsplit(self.base_url).hostname in _LOOPBACK:
+            events_url = "auto"
         if events_url is None or events_url is False or events_url == "":
             return None
         if events_url is True or events_url == "auto":
@@ -198,7 +207,7 @@ class LLM:
             kwargs["tools"] = list(tools)
             if tool_choice is not None:
                 kwargs["tool_choice"] = tool_choice
-        kwargs["extra_body"] = request_extra_body(meta, extra_body)
+        kwargs["extra_body"] = request_extra_body(meta, {**self.extra_body, **(extra_body or {})})
         started = time.perf_counter()
         completion = await self.client.chat.completions.create(**kwargs)
         latency = time.perf_counter() - started

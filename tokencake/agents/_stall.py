@@ -133,7 +133,7 @@ class HttpStallReporter:
     def _warn_once(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            log.warning(message)
+            log.info(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     async def aclose(self) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,8 @@ from ._schema import SchemaError, build_args_model, json_schema, validate_args
 
 # OpenAI function names: letters, digits, underscores and dashes, at most 64 characters.
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: The wire format accepts predictions up to a day.
+_MAX_PREDICT_S = 86400.0
 
 
 @dataclass(eq=False)
@@ -44,15 +45,18 @@ class Tool:
         if not _TOOL_NAME.match(self.name):
             problems.append(f"tool name {self.name!r} must match [A-Za-z0-9_-]{{1,64}} (an OpenAI name)")
         pt = self.predict_time
-        if pt is not None and not (isinstance(pt, int | float) and math.isfinite(pt) and pt >= 0):
-            problems.append(f"tool {self.name!r}: predict_time must be a finite number >= 0")
+        if pt is not None and not (isinstance(pt, int | float) and 0 <= pt <= _MAX_PREDICT_S):
+            problems.append(f"tool {self.name!r}: predict_time must be a number in [0, {_MAX_PREDICT_S:g}] s")
+        if not isinstance(self.kind, str) or not 0 < len(self.kind) <= 100:
+            problems.append(f"tool {self.name!r}: kind must be a string of 1..100 characters")
         if self.timeout is not None and not (self.timeout > 0):
             problems.append(f"tool {self.name!r}: timeout must be > 0 seconds")
         if not isinstance(self.retries, int) or self.retries < 0:
             problems.append(f"tool {self.name!r}: retries must be an int >= 0")
         if self.stages is not None:
             if not isinstance(self.stages, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, int | float) and v >= 0 for k, v in self.stages.items()
+                isinstance(k, str) and isinstance(v, int | float) and 0 <= v <= _MAX_PREDICT_S
+                for k, v in self.stages.items()
             ):
                 problems.append(f"tool {self.name!r}: stages must map names to seconds >= 0")
             else:

@@ -285,37 +285,69 @@ def flatten(data: Any, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def _pick(flat: Mapping[str, float], *patterns: str) -> float | None:
-    """Sum of the leaves whose dotted path matches all regex ``patterns`` (None when nothing matches)."""
-    keys = [k for k in flat if all(re.search(p, k) for p in patterns)]
-    return sum(flat[k] for k in keys) if keys else None
+def _sum(flat: Mapping[str, float], *keys: str, default: float | None = None) -> float | None:
+    """Sum of the given keys that exist (``default`` when none does)."""
+    found = [flat[k] for k in keys if k in flat]
+    return sum(found) if found else default
 
 
-def extension_summary(stats: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Headline numbers from the extension's ``/v1/stats`` JSON (which is also kept raw).
+def extension_summary(
+    after: Mapping[str, Any] | None, before: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """Headline numbers from the extension's ``/v1/stats`` JSON, as the change from ``before`` to ``after``.
 
-    The stats document is matched by key names rather than a fixed path so that nesting changes in the
-    connector do not silently zero the benchmark's columns; a field that is not found stays None.
+    The document is the connector's ``Stats.snapshot()``: ``counters`` (``offload.bytes``,
+    ``prefetch.on_time``, ``demand_load.requests``, ...) and ``histograms`` (``offload.seconds`` with
+    ``sum``/``count``). Copy jobs are of three kinds: ``offload`` (device → host), ``prefetch`` and ``load``
+    (demand load), both host → device. A field the connector does not report stays None.
     """
-    if not stats:
+    if not after:
         return None
-    flat = flatten(stats)
-    on_time = _pick(flat, r"prefetch", r"on_time$")
-    late = _pick(flat, r"prefetch", r"late$")
-    wasted = _pick(flat, r"prefetch", r"wasted$")
-    judged = sum(x for x in (on_time, late) if x is not None)
+    d = stats_delta(before, after)
+    # The connector creates counters on first use: absent from a real snapshot means zero.
+    zero = 0.0 if isinstance(after.get("counters"), Mapping) else None
+
+    def c(name: str) -> float | None:
+        return d.get(f"counters.{name}", zero)
+
+    on_time, late, wasted = c("prefetch.on_time"), c("prefetch.late"), c("prefetch.wasted")
+    superseded = c("prefetch.superseded_by_request")
+    judged = sum(x or 0.0 for x in (on_time, late, wasted, superseded))
     return {
-        "offload_bytes": _pick(flat, r"offload", r"bytes$"),
-        "offload_s": _pick(flat, r"offload", r"(seconds|_s|time_s)$"),
-        "offloaded_blocks": _pick(flat, r"offload", r"blocks$"),
-        "upload_bytes": _pick(flat, r"(upload|onload|load_to_device|h2d)", r"bytes$"),
-        "upload_s": _pick(flat, r"(upload|onload|load_to_device|h2d)", r"(seconds|_s|time_s)$"),
+        "offload_bytes": c("offload.bytes"),
+        "offloaded_blocks": c("offload.blocks"),
+        "offload_s": d.get("histograms.offload.seconds.sum", zero),
+        "upload_bytes": _sum(d, "counters.prefetch.bytes", "counters.load.bytes", default=zero),
+        "uploaded_blocks": _sum(d, "counters.prefetch.blocks", "counters.load.blocks", default=zero),
+        "upload_s": _sum(d, "histograms.prefetch.seconds.sum", "histograms.load.seconds.sum", default=zero),
+        "prefetch_bytes": c("prefetch.bytes"),
         "prefetch_on_time": on_time,
         "prefetch_late": late,
         "prefetch_wasted": wasted,
+        "prefetch_superseded": superseded,
+        # Of the offloaded stalls whose next turn came, the share whose KV a prefetch had already put
+        # back on device (late = copy still running, wasted = evicted again, superseded = the request
+        # came before the prefetch started, so demand load served it).
         "prefetch_on_time_rate": (on_time / judged) if on_time is not None and judged > 0 else None,
-        "demand_loads": _pick(flat, r"demand", r"(loads?|count|requests)$"),
-        "tokens_from_host": _pick(flat, r"(host|external)", r"tokens"),
+        "demand_loads": c("demand_load.requests"),
+        "demand_load_blocks": c("demand_load.blocks"),
+        "tokens_from_host": c("tokens.from_host"),
+        "tokens_prefetched_hit": c("tokens.prefetched_hit"),
+        "next_turn_prefix_tokens": c("next_turn.prefix_tokens"),
+        "next_turn_prefix_tokens_device": c("next_turn.prefix_tokens_device"),
+        "next_turn_prefix_tokens_host": c("next_turn.prefix_tokens_host"),
+        "next_turn_prefix_tokens_recomputed": c("next_turn.prefix_tokens_recomputed"),
+        "stall_decisions": {
+            k[len("counters.stalls.decision.") :]: v
+            for k, v in d.items()
+            if k.startswith("counters.stalls.decision.") and v
+        },
+        "copy_failures": _sum(
+            d, "counters.offload.failed", "counters.prefetch.failed", "counters.load.failed"
+        ),
+        "errors": {
+            k[len("counters.errors.") :]: v for k, v in d.items() if k.startswith("counters.errors.") and v
+        },
     }
 
 

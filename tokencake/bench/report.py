@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from tokencake.bench.metrics import ratio
+
 # ---------------------------------------------------------------------------------------------------
 # Flat rows
 
@@ -119,44 +121,66 @@ def _fmt(value: Any, spec: str = ".2f", scale: float = 1.0, suffix: str = "") ->
     return str(value)
 
 
+#: (label, path into a system's results, format, scale) of the rows of the terminal table.
+_TABLE_ROWS: tuple[tuple[str, tuple[str, ...], str, float], ...] = (
+    ("app E2E mean (s)", ("client", "e2e_s", "mean"), ".2f", 1.0),
+    ("app E2E p50 (s)", ("client", "e2e_s", "p50"), ".2f", 1.0),
+    ("app E2E p95 (s)", ("client", "e2e_s", "p95"), ".2f", 1.0),
+    ("app E2E p99 (s)", ("client", "e2e_s", "p99"), ".2f", 1.0),
+    ("LLM call latency p50 (s)", ("client", "call_latency_s", "p50"), ".2f", 1.0),
+    ("LLM call latency p95 (s)", ("client", "call_latency_s", "p95"), ".2f", 1.0),
+    ("TTFT mean (s)", ("server", "histograms", "ttft_s", "mean"), ".3f", 1.0),
+    ("queue time mean (s)", ("server", "histograms", "queue_s", "mean"), ".3f", 1.0),
+    ("prompt tokens", ("server", "prompt_tokens"), ",.0f", 1.0),
+    ("computed prompt tokens", ("server", "computed_prompt_tokens"), ",.0f", 1.0),
+    ("from device prefix cache", ("server", "prompt_tokens_by_source", "local_cache_hit"), ",.0f", 1.0),
+    ("from host (connector)", ("server", "prompt_tokens_by_source", "external_kv_transfer"), ",.0f", 1.0),
+    ("prefix hit rate", ("server", "prefix_hit_rate"), ".0%", 1.0),
+    ("preemptions", ("server", "preemptions"), ".0f", 1.0),
+    ("KV usage mean", ("kv", "mean"), ".0%", 1.0),
+    ("KV usage max", ("kv", "max"), ".0%", 1.0),
+    ("offloaded MB", ("extension", "summary", "offload_bytes"), ".1f", 1e-6),
+    ("uploaded MB", ("extension", "summary", "upload_bytes"), ".1f", 1e-6),
+    ("prefetch on-time", ("extension", "summary", "prefetch_on_time"), ".0f", 1.0),
+    ("prefetch late", ("extension", "summary", "prefetch_late"), ".0f", 1.0),
+    ("prefetch wasted", ("extension", "summary", "prefetch_wasted"), ".0f", 1.0),
+    ("prefetch on-time rate", ("extension", "summary", "prefetch_on_time_rate"), ".0%", 1.0),
+    ("prefetch superseded", ("extension", "summary", "prefetch_superseded"), ".0f", 1.0),
+    ("demand loads", ("extension", "summary", "demand_loads"), ".0f", 1.0),
+    ("next-turn prefix: device", ("extension", "summary", "next_turn_prefix_tokens_device"), ",.0f", 1.0),
+    ("next-turn prefix: host", ("extension", "summary", "next_turn_prefix_tokens_host"), ",.0f", 1.0),
+    (
+        "next-turn prefix: recomputed",
+        ("extension", "summary", "next_turn_prefix_tokens_recomputed"),
+        ",.0f",
+        1.0,
+    ),
+    ("failed apps", ("client", "apps_failed"), ".0f", 1.0),
+)
+
+
 def render(results: Mapping[str, Any], console: Console | None = None) -> None:
     """Print the per-point table with the headline ratios and the equal-work verdict."""
     console = console or Console()
     for point in results["points"]:
+        systems = point["systems"]
         table = Table(title=f"tokencake bench · {results['preset']} · {point['label']}", title_justify="left")
-        for col in (
-            "system",
-            "E2E mean s",
-            "p50",
-            "p95",
-            "p99",
-            "call p50 s",
-            "TTFT mean s",
-            "computed prompt tok",
-            "prefix hit",
-            "preempt",
-            "KV max",
-            "prefetch on-time",
-            "offload MB",
-        ):
-            table.add_column(col, justify="left" if col == "system" else "right")
-        for name, s in point["systems"].items():
-            ext = _get(s, "extension", "summary") or {}
-            table.add_row(
-                name,
-                _fmt(_get(s, "client", "e2e_s", "mean")),
-                _fmt(_get(s, "client", "e2e_s", "p50")),
-                _fmt(_get(s, "client", "e2e_s", "p95")),
-                _fmt(_get(s, "client", "e2e_s", "p99")),
-                _fmt(_get(s, "client", "call_latency_s", "p50")),
-                _fmt(_get(s, "server", "histograms", "ttft_s", "mean")),
-                _fmt(_get(s, "server", "computed_prompt_tokens"), ",.0f"),
-                _fmt(_get(s, "server", "prefix_hit_rate"), ".0%"),
-                _fmt(_get(s, "server", "preemptions"), ".0f"),
-                _fmt(_get(s, "kv", "max"), ".0%"),
-                _fmt(ext.get("prefetch_on_time_rate"), ".0%"),
-                _fmt(ext.get("offload_bytes"), ".1f", 1e-6),
-            )
+        table.add_column("metric")
+        for name in systems:
+            table.add_column(name, justify="right")
+        pairs = [
+            p for p in (("tokencake", "baseline"), ("tokencake", "ideal")) if all(x in systems for x in p)
+        ]
+        for a, b in pairs:
+            table.add_column(f"{a}/{b}", justify="right")
+        for label, path, spec, scale in _TABLE_ROWS:
+            values = [_get(s, *path) for s in systems.values()]
+            if all(v is None for v in values):
+                continue
+            cells = [_fmt(v, spec, scale) for v in values]
+            for a, b in pairs:
+                cells.append(_fmt(ratio(_get(systems[a], *path), _get(systems[b], *path)), ".2f"))
+            table.add_row(label, *cells)
         console.print(table)
         comp = point["comparison"]
         lines = []
@@ -194,10 +218,82 @@ def render(results: Mapping[str, Any], console: Console | None = None) -> None:
                     style="bold red",
                 )
             )
+    for base, agg in (results.get("aggregate") or {}).items():
+        comp = agg["comparison"]
+        lines = [f"[bold]{base}: {agg['repeats']} interleaved rounds pooled[/]"]
+        for name, s in agg["systems"].items():
+            e2e = s["e2e_s"]
+            lines.append(
+                f"  {name}: E2E mean {_fmt(e2e['mean'])} s, p95 {_fmt(e2e['p95'])} s "
+                f"({e2e['count']} apps), computed prompt tokens per round "
+                + _fmt(s["computed_prompt_tokens"], ",.0f")
+            )
+        for key in ("tokencake/baseline", "tokencake/ideal", "baseline/ideal"):
+            if key in comp:
+                lines.append(
+                    f"  E2E {key}: mean {_fmt(comp[key]['mean'], '.3f')}  p95 {_fmt(comp[key]['p95'], '.3f')}"
+                )
+        per_round = [r for r in agg.get("tokencake/baseline_mean_per_round", []) if r is not None]
+        if per_round:
+            lines.append("  tokencake/baseline mean per round: " + ", ".join(f"{r:.3f}" for r in per_round))
+        console.print("\n".join(lines))
     for warning in results.get("warnings", []):
         console.print(f"[yellow]warning:[/] {warning}")
     verdict = "[green]valid[/]" if results["valid"] else "[bold red]INVALID[/]"
     console.print(f"results: {verdict} · wall {results['wall_s']:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Markdown (for docs and issue notes)
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+    """The terminal table as Markdown, one section per point, with the headline ratios."""
+    out = [f"# tokencake bench · {results['preset']}", ""]
+    desc = _get(results, "config", "description")
+    if desc:
+        out += [desc, ""]
+    machine, versions = results.get("machine") or {}, results.get("versions") or {}
+    out += [
+        f"{results.get('started', '?')} · {machine.get('cpu_count', '?')} CPUs "
+        f"({machine.get('cpu_model', '?')}) · "
+        f"vLLM {versions.get('vllm', '?')} · tokencake {versions.get('tokencake', '?')} · "
+        f"wall {results.get('wall_s', 0):.0f} s · {'valid' if results.get('valid') else '**INVALID**'}",
+        "",
+    ]
+    for point in results["points"]:
+        systems = point["systems"]
+        pairs = [
+            p for p in (("tokencake", "baseline"), ("tokencake", "ideal")) if all(x in systems for x in p)
+        ]
+        out.append(f"## {point['label']}")
+        out.append("")
+        out.append("| metric | " + " | ".join(systems) + "".join(f" | {a}/{b}" for a, b in pairs) + " |")
+        out.append("|---" * (1 + len(systems) + len(pairs)) + "|")
+        for label, path, spec, scale in _TABLE_ROWS:
+            values = [_get(s, *path) for s in systems.values()]
+            if all(v is None for v in values):
+                continue
+            cells = [_fmt(v, spec, scale) for v in values]
+            cells += [_fmt(ratio(_get(systems[a], *path), _get(systems[b], *path)), ".2f") for a, b in pairs]
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+        comp, ew = point["comparison"], point["equal_work"]
+        out.append("")
+        if "recomputed_tokens_avoided" in comp:
+            frac = (comp.get("avoidable_recompute") or {}).get("fraction_avoided")
+            out.append(
+                "Recomputed prompt tokens avoided vs baseline: "
+                + _fmt(comp["recomputed_tokens_avoided"], ",.0f")
+                + (f" ({_fmt(frac, '.0%')} of the avoidable recompute)." if frac is not None else ".")
+            )
+        out.append(
+            f"Equal work: {'passed' if ew['passed'] else '**FAILED**'} "
+            f"({ew['calls_compared']} calls compared)."
+        )
+        out.append("")
+    for warning in results.get("warnings", []):
+        out.append(f"> warning: {warning}")
+    return "\n".join(out).rstrip() + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -341,7 +437,7 @@ def plot_sweep(results: Mapping[str, Any], path: Path) -> None:
 
 
 def write_all(results: Mapping[str, Any], out: Path, *, plots: bool = True) -> list[Path]:
-    """Write results.json, summary.csv, calls.csv and the PNG plots into ``out``; returns the paths."""
+    """Write results.json, summary.csv/.md, calls.csv and the PNG plots into ``out``; returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     path = out / "results.json"
@@ -350,6 +446,8 @@ def write_all(results: Mapping[str, Any], out: Path, *, plots: bool = True) -> l
     for name, rows in (("summary.csv", system_rows(results)), ("calls.csv", call_rows(results))):
         _write_csv(out / name, rows)
         written.append(out / name)
+    (out / "summary.md").write_text(markdown(results))
+    written.append(out / "summary.md")
     if plots:
         for name, fn in (
             ("e2e_cdf.png", plot_e2e_cdf),

@@ -33,6 +33,7 @@ from tokencake.bench.metrics import (
     ratio,
     server_summary,
     stats_delta,
+    summarize,
 )
 from tokencake.bench.systems import ServerConfig, SystemSpec, server_kwargs
 from tokencake.bench.workload import Workload
@@ -58,6 +59,8 @@ class BenchConfig:
     kv_interval_s: float = 0.5
     app_timeout_s: float | None = 600.0
     llm_timeout_s: float = 600.0
+    #: Interleaved repetitions: every system runs every point once per round, round after round.
+    repeat: int = 1
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -70,6 +73,7 @@ class BenchConfig:
             "kv_interval_s": self.kv_interval_s,
             "app_timeout_s": self.app_timeout_s,
             "llm_timeout_s": self.llm_timeout_s,
+            "repeat": self.repeat,
             "points": [p.label for p in self.points],
             **self.extra,
         }
@@ -235,6 +239,9 @@ async def replay(
 
         metrics_after = parse_prometheus(await fetch_metrics())
         stats_after = await _get_json(probe, stats_url) if stats_url else None
+        aclose = getattr(llm, "aclose", None)
+        if aclose is not None:
+            await aclose()  # the SDK's stall reporter; our http_client is closed below
         await http_client.aclose()
 
     calls = [r.to_dict() for r in sorted(recorder.records, key=lambda r: (r.started, r.key))]
@@ -247,7 +254,7 @@ async def replay(
         "server": server_summary(metrics_before, metrics_after),
         "extension": (
             {
-                "summary": extension_summary(stats_after),
+                "summary": extension_summary(stats_after, stats_before),
                 "delta": stats_delta(stats_before, stats_after),
                 "after": stats_after,
             }
@@ -296,6 +303,37 @@ def compare(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     ext = (systems.get("tokencake") or {}).get("extension") or {}
     if ext.get("summary"):
         out["prefetch_on_time_rate"] = ext["summary"].get("prefetch_on_time_rate")
+    return out
+
+
+def aggregate(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pool the repetitions of each workload point: all apps' E2E per system, and the ratios of the pooled
+    statistics (with the per-round tokencake/baseline mean ratio, to show the spread)."""
+    out: dict[str, Any] = {}
+    for base in dict.fromkeys(p.get("base_label", p["label"]) for p in points):
+        rounds = [p for p in points if p.get("base_label", p["label"]) == base]
+        names = list(dict.fromkeys(n for p in rounds for n in p["systems"]))
+        pooled: dict[str, Any] = {}
+        for name in names:
+            runs = [p["systems"][name] for p in rounds if name in p["systems"]]
+            pooled[name] = {
+                "client": {
+                    "e2e_s": summarize(a["e2e_s"] for r in runs for a in r["apps"] if a.get("status") == "ok")
+                },
+                "server": {
+                    "computed_prompt_tokens": sum(r["server"]["computed_prompt_tokens"] for r in runs)
+                    / len(runs)
+                },
+                "extension": None,
+            }
+        out[base] = {
+            "repeats": len(rounds),
+            "systems": {n: {"e2e_s": v["client"]["e2e_s"], **v["server"]} for n, v in pooled.items()},
+            "comparison": compare(pooled),
+            "tokencake/baseline_mean_per_round": [
+                (p["comparison"].get("tokencake/baseline") or {}).get("mean") for p in rounds
+            ],
+        }
     return out
 
 
@@ -392,59 +430,85 @@ def run_bench(
     started_at, t_start = _now(), time.time()
     points_out: list[dict[str, Any]] = []
     warnings: list[str] = []
-    for point in config.points:
+    failed_systems: list[str] = []
+    if config.repeat < 1:
+        raise ValueError("repeat must be >= 1")
+    rounds = [(rep, point) for rep in range(config.repeat) for point in config.points]
+    for rep, point in rounds:
+        label = point.label if config.repeat == 1 else f"{point.label}#{rep + 1}"
         per_system: dict[str, Any] = {}
         for spec in config.systems:
             kwargs = server_kwargs(spec, config.server, server_cls)
             if log_dir is not None:
                 log_dir.mkdir(parents=True, exist_ok=True)
-                kwargs["log_file"] = str(log_dir / f"{point.label}-{spec.name}.log")
-            progress.system_starting(point.label, spec.name, point.workload.num_apps)
+                kwargs["log_file"] = str(log_dir / f"{label}-{spec.name}.log")
+            progress.system_starting(label, spec.name, point.workload.num_apps)
             t_boot = time.time()
-            with server_cls(**kwargs) as server:
-                boot_s = time.time() - t_boot
-                progress.server_ready(point.label, spec.name, boot_s)
-                data = anyio.run(
-                    _replay_on,
-                    point.workload,
-                    server,
-                    spec,
-                    config,
-                    lambda ok, p=point.label, s=spec.name: progress.app_done(p, s, ok),
-                    build_app,
-                    transport,
+            try:
+                with server_cls(**kwargs) as server:
+                    boot_s = time.time() - t_boot
+                    progress.server_ready(label, spec.name, boot_s)
+                    data = anyio.run(
+                        _replay_on,
+                        point.workload,
+                        server,
+                        spec,
+                        config,
+                        lambda ok, p=label, s=spec.name: progress.app_done(p, s, ok),
+                        build_app,
+                        transport,
+                    )
+            except Exception as exc:  # one broken system must not discard the others' measurements
+                where = f" (server log: {kwargs['log_file']})" if "log_file" in kwargs else ""
+                warnings.append(
+                    f"[{label}] system {spec.name!r} did not complete: {type(exc).__name__}: "
+                    f"{str(exc)[:500]}{where}"
                 )
+                failed_systems.append(f"{label}:{spec.name}")
+                progress.system_done(label, spec.name, time.time() - t_boot)
+                continue
             data["system"] = spec.to_dict()
             data["num_gpu_blocks"] = config.server.blocks_for(spec)
             data["server_start_s"] = round(boot_s, 3)
-            progress.system_done(point.label, spec.name, data["replay_s"])
+            progress.system_done(label, spec.name, data["replay_s"])
             per_system[spec.name] = data
         check = equal_work({name: s["calls"] for name, s in per_system.items()})
         if not check.ok:
             warnings.append(
-                f"[{point.label}] EQUAL-WORK CHECK FAILED: {len(check.mismatched)} call(s) with "
+                f"[{label}] EQUAL-WORK CHECK FAILED: {len(check.mismatched)} call(s) with "
                 f"different output token counts, {len(check.missing)} call(s) missing in some system — "
                 "results are INVALID"
             )
         failed = {n: s["client"]["apps_failed"] for n, s in per_system.items() if s["client"]["apps_failed"]}
         if failed:
-            warnings.append(f"[{point.label}] failed apps per system: {failed}")
-        ideal = per_system.get("ideal")
+            warnings.append(f"[{label}] failed apps per system: {failed}")
+        ideal, base = per_system.get("ideal"), per_system.get("baseline")
+        if ideal and base:
+            if base["server"]["computed_prompt_tokens"] <= 1.02 * ideal["server"]["computed_prompt_tokens"]:
+                warnings.append(
+                    f"[{label}] no KV pressure: stock vLLM recomputed (almost) nothing beyond the ideal, so "
+                    "there is nothing for TokenCake to win here (shrink --device-blocks or add agents)"
+                )
+        for name, s in per_system.items():
+            if not s["system"]["stock"] and (s.get("extension") or {}).get("after") is None:
+                warnings.append(f"[{label}] {name}: the extension's /v1/stats did not answer")
         if ideal and ideal["server"]["preemptions"] > 0:
-            warnings.append(
-                f"[{point.label}] the 'ideal' system preempted requests: its KV was not large enough"
-            )
+            warnings.append(f"[{label}] the 'ideal' system preempted requests: its KV was not large enough")
         points_out.append(
             {
-                "label": point.label,
+                "label": label,
+                "base_label": point.label,
+                "repeat": rep + 1,
                 "workload": point.workload.to_dict(),
                 "systems": per_system,
                 "equal_work": check.to_dict(),
                 "comparison": compare(per_system),
             }
         )
-    valid = all(p["equal_work"]["passed"] for p in points_out) and not any(
-        s["client"]["apps_failed"] for p in points_out for s in p["systems"].values()
+    valid = (
+        not failed_systems
+        and all(p["equal_work"]["passed"] for p in points_out)
+        and not any(s["client"]["apps_failed"] for p in points_out for s in p["systems"].values())
     )
     return {
         "schema_version": SCHEMA_VERSION,
@@ -455,10 +519,12 @@ def run_bench(
         "wall_s": round(time.time() - t_start, 3),
         "valid": valid,
         "warnings": warnings,
+        "failed_systems": failed_systems,
         "config": config.to_dict(),
         "versions": versions(),
         "machine": machine(),
         "points": points_out,
+        "aggregate": aggregate(points_out) if config.repeat > 1 else None,
     }
 
 

@@ -179,6 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.stop()
         raise CLIError("vLLM exited unexpectedly")
     except (KeyboardInterrupt, _Terminated):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
         print("\nstopping vLLM …", file=sys.stderr, flush=True)
         server.stop()
         print("stopped.", file=sys.stderr, flush=True)

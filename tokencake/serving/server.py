@@ -324,6 +324,7 @@ class Server:
         demand_load: bool = True,
         connector_config: Mapping[str, Any] | None = None,
         shutdown_timeout: int = 5,
+        kill_after: float | None = None,
         startup_timeout: float = 600.0,
         progress: bool | ProgressFn = False,
         watch_parent: bool = True,
@@ -357,6 +358,8 @@ class Server:
         self.offload, self.prefetch, self.demand_load = offload, prefetch, demand_load
         self.connector_config = dict(connector_config or {})
         self.shutdown_timeout = shutdown_timeout
+        #: Seconds from SIGTERM to SIGKILL of stragglers (vLLM's own shutdown + margin).
+        self.kill_after = kill_after if kill_after is not None else shutdown_timeout + 15.0
         self.startup_timeout = startup_timeout
         self.progress = progress
         self.watch_parent = watch_parent
@@ -487,7 +490,7 @@ class Server:
     def command(self) -> list[str]:
         """The full argv: watchdog → vLLM API server."""
         parent = os.getpid() if self.watch_parent else 0
-        grace = self.shutdown_timeout + 15
+        grace = self.kill_after
         return [
             self.python,
             "-m",
@@ -632,7 +635,7 @@ class Server:
         """Stop the server and every process it started. Idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            stop_process_group(proc.pid, proc.pid, grace=self.shutdown_timeout + 20)
+            stop_process_group(proc.pid, proc.pid, grace=self.kill_after + 5.0)
             with contextlib.suppress(Exception):
                 proc.wait(timeout=1)
         if self._log_fh is not None:

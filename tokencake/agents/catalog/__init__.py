@@ -8,6 +8,7 @@ offline (the tests and ``tokencake run APP --scripted`` use it). Every app takes
 - ``latency``: ``real`` | ``paper`` | ``scaled:X`` — tool durations (see ``_latency``).
 - ``seed`` / ``noise``: seeded lognormal noise on the padded tool durations.
 - ``workdir``: where per-run sandbox directories go (default: the system temp dir).
+- ``token_scale``: multiplies every node's ``max_tokens`` (short budgets for quick CPU runs).
 
 plus app-specific ones (``branches`` for deep-research, ``width`` for map-reduce, ``max_turns``
 for tool-agent, ``test_timeout`` for code-writer and tool-agent).

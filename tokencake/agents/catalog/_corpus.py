@@ -2,7 +2,7 @@
 
 Catalog apps must run without internet, yet search tools should do real ranking work so that
 queries written by a model (good or garbage) lead to different documents. The corpus is a few
-dozen short original articles (``data/corpus.jsonl``) indexed in an in-memory SQLite FTS5 table
+dozen short original articles (``corpus.jsonl``) indexed in an in-memory SQLite FTS5 table
 with the porter stemmer; :meth:`Corpus.search` ranks with SQLite's ``bm25()``.
 
 Model-written queries are free text, not FTS syntax, so they are reduced to plain word tokens
@@ -132,13 +132,8 @@ class Corpus:
 
 @cache
 def bundled_corpus() -> Corpus:
-    """The corpus shipped in ``tokencake/agents/catalog/data/corpus.jsonl`` (loaded once)."""
-    text = (
-        resources.files("tokencake.agents.catalog")
-        .joinpath("data")
-        .joinpath("corpus.jsonl")
-        .read_text("utf-8")
-    )
+    """The corpus shipped in ``tokencake/agents/catalog/corpus.jsonl`` (loaded once)."""
+    text = resources.files("tokencake.agents.catalog").joinpath("corpus.jsonl").read_text("utf-8")
     return Corpus.from_jsonl(text)
 
 

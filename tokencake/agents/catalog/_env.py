@@ -34,11 +34,21 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 @dataclass
 class RunState:
-    """One run's private things: its sandbox and a scratch dict for tools."""
+    """One run's private things: its sandbox (created on first use) and a scratch dict for tools."""
 
     run_id: str
-    sandbox: Sandbox
+    make_sandbox: Callable[[], Sandbox] = field(repr=False)
     data: dict[str, Any] = field(default_factory=dict)
+    _sandbox: Sandbox | None = field(default=None, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    @property
+    def sandbox(self) -> Sandbox:
+        # Lazily: apps that never touch files (deep-research, rag, ...) leave no directory behind.
+        with self._lock:
+            if self._sandbox is None:
+                self._sandbox = self.make_sandbox()
+            return self._sandbox
 
 
 class AppEnv:
@@ -53,8 +63,12 @@ class AppEnv:
         noise: float = 0.0,
         workdir: str | Path | None = None,
         corpus: Corpus | None = None,
+        token_scale: float = 1.0,
     ) -> None:
+        if not isinstance(token_scale, int | float) or not 0 < token_scale <= 4:
+            raise ValueError(f"token_scale must be a number in (0, 4], got {token_scale!r}")
         self.app_name = app_name
+        self.token_scale = float(token_scale)
         self.latency = LatencyModel.parse(latency, noise=noise, seed=seed)
         self.seed = seed
         self.workdir = Path(workdir) if workdir is not None else None
@@ -75,10 +89,11 @@ class AppEnv:
             if state is None:
                 safe = _UNSAFE.sub("-", run_id)[:80] or "run"
                 if self.workdir is not None:
-                    sandbox = Sandbox(self.workdir / f"{self.app_name}-{safe}")
+                    root = self.workdir / f"{self.app_name}-{safe}"
+                    state = RunState(run_id, lambda: Sandbox(root))
                 else:
-                    sandbox = Sandbox(prefix=f"tokencake-{self.app_name}-{safe}-")
-                state = RunState(run_id, sandbox)
+                    prefix = f"tokencake-{self.app_name}-{safe}-"
+                    state = RunState(run_id, lambda: Sandbox(prefix=prefix))
                 self._runs[run_id] = state
                 while len(self._runs) > MAX_RUNS:
                     self._runs.popitem(last=False)
@@ -106,6 +121,10 @@ class AppEnv:
                 return await fn(ctx, inputs)
 
         return bound
+
+    def tokens(self, budget: int) -> int:
+        """A node's output-token budget scaled by ``token_scale`` (never below 8)."""
+        return max(8, round(budget * self.token_scale))
 
     def pace(self, tool: str, published_s: float) -> AbstractAsyncContextManager[None]:
         """Latency padding for one tool call (see :class:`LatencyModel`)."""

@@ -75,6 +75,7 @@ def _run_file(root: str, rel: str, results: dict[str, list]) -> None:
                 results["passed"].append(test_id)
         elif inspect.isclass(obj) and issubclass(obj, unittest.TestCase) and obj.__module__ == mod_name:
             suite = unittest.defaultTestLoader.loadTestsFromTestCase(obj)
+            tests = list(_iter_tests(suite))  # running a suite drops its references to the tests
             outcome = unittest.TestResult()
             suite.run(outcome)
             bad = {id(t) for t, _ in outcome.failures + outcome.errors}
@@ -82,7 +83,7 @@ def _run_file(root: str, rel: str, results: dict[str, list]) -> None:
                 results["failed"].append({"test": f"{rel}::{test.id()}", "error": err[-_MAX_ERROR:]})
             for test, err in outcome.errors:
                 results["errors"].append({"test": f"{rel}::{test.id()}", "error": err[-_MAX_ERROR:]})
-            for test in _iter_tests(suite):
+            for test in tests:
                 if id(test) not in bad:
                     results["passed"].append(f"{rel}::{test.id()}")
 

@@ -59,11 +59,21 @@ def _ensure_newline(code: str) -> str:
     return code if code.endswith("\n") else code + "\n"
 
 
-def format_files(files: dict[str, str], max_chars: int = 1500) -> str:
-    """Files in the same ``# file:`` + fence format the prompts ask for (each truncated)."""
+def format_files(files: dict[str, str], max_chars: int = 1500, max_total: int = 4000) -> str:
+    """Files in the same ``# file:`` + fence format the prompts ask for.
+
+    Each file is cut at ``max_chars`` and the whole listing at about ``max_total`` characters, so
+    prompts stay inside a small model's context whatever the model wrote before.
+    """
     parts = []
+    used = 0
     for path, code in files.items():
-        body = code if len(code) <= max_chars else code[:max_chars] + "\n# ... truncated\n"
+        room = min(max_chars, max_total - used)
+        if room <= 0:
+            parts.append(f"# ({len(files) - len(parts)} more files not shown)")
+            break
+        body = code if len(code) <= room else code[:room] + "\n# ... truncated\n"
+        used += len(body)
         parts.append(f"# file: {path}\n```python\n{body.rstrip()}\n```")
     return "\n\n".join(parts)
 

@@ -119,10 +119,11 @@ def build(
     seed: int | None = None,
     noise: float = 0.0,
     workdir: str | None = None,
+    token_scale: float = 1.0,
     test_timeout: float = 30.0,
 ) -> tc.App:
     """The code-writer app (see the module docstring); ``test_timeout`` bounds each test subprocess."""
-    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir)
+    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir, token_scale=token_scale)
     app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     # ------------------------------------------------------------------ tools
@@ -339,7 +340,7 @@ def build(
             env.node(fn),
             name=name,
             system=_SYSTEMS[role],
-            max_tokens=max_tokens,
+            max_tokens=env.tokens(max_tokens),
             temperature=0.0,
             after=after,
             calls=list(calls),

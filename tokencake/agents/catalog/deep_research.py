@@ -36,12 +36,13 @@ def build(
     seed: int | None = None,
     noise: float = 0.0,
     workdir: str | None = None,
+    token_scale: float = 1.0,
     branches: int = 3,
 ) -> tc.App:
     """The deep-research app with ``branches`` parallel search+read branches (1..16)."""
     if not isinstance(branches, int) or not 1 <= branches <= 16:
         raise ValueError(f"branches must be an int in 1..16, got {branches!r}")
-    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir)
+    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir, token_scale=token_scale)
     app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     @app.tool(predict_time=T_SEARCH, kind="search", stages=SEARCH_STAGES, timeout=60.0)
@@ -84,7 +85,7 @@ def build(
             env.node(fn),
             name=name,
             system=system,
-            max_tokens=max_tokens,
+            max_tokens=env.tokens(max_tokens),
             temperature=0.0,
             after=after,
             calls=list(calls),

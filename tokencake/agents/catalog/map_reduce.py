@@ -39,12 +39,13 @@ def build(
     seed: int | None = None,
     noise: float = 0.0,
     workdir: str | None = None,
+    token_scale: float = 1.0,
     width: int = 6,
 ) -> tc.App:
     """The map-reduce app with ``width`` parallel mappers (1..32)."""
     if not isinstance(width, int) or not 1 <= width <= 32:
         raise ValueError(f"width must be an int in 1..32, got {width!r}")
-    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir)
+    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir, token_scale=token_scale)
     app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     @app.tool(predict_time=T_SEARCH, kind="search")
@@ -99,7 +100,7 @@ def build(
             env.node(mapper),
             name=f"mapper_{i}",
             system=MAPPER_SYSTEM,
-            max_tokens=96,
+            max_tokens=env.tokens(96),
             temperature=0.0,
             after=["split"],
             calls=["fetch_document"],
@@ -127,7 +128,7 @@ def build(
         env.node(reduce),
         name="reduce",
         system="You merge partial summaries into one coherent summary and keep their [doc-id] citations.",
-        max_tokens=300,
+        max_tokens=env.tokens(300),
         temperature=0.0,
         after=mappers,
         agent_type="reducer",

@@ -32,12 +32,13 @@ def build(
     seed: int | None = None,
     noise: float = 0.0,
     workdir: str | None = None,
+    token_scale: float = 1.0,
     k: int = 3,
 ) -> tc.App:
     """The rag app; ``k`` passages are retrieved (1..10)."""
     if not isinstance(k, int) or not 1 <= k <= 10:
         raise ValueError(f"k must be an int in 1..10, got {k!r}")
-    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir)
+    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir, token_scale=token_scale)
     app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
     index: list[VectorIndex] = []  # built on first use, shared by runs of this app object
 
@@ -68,7 +69,9 @@ def build(
     async def rag(ctx: tc.Context, inputs: dict[str, Any]) -> dict[str, Any]:
         question = str(ctx.inputs["task"])
         # Stage 1 (query): the model rewrites the question into search keywords.
-        rewrite = await ctx.llm(f"Question: {question}\n\nRewrite it as search keywords.", max_tokens=32)
+        rewrite = await ctx.llm(
+            f"Question: {question}\n\nRewrite it as search keywords.", max_tokens=env.tokens(32)
+        )
         query = one_line(rewrite.text)
         if not query_terms(query):
             query = question
@@ -95,7 +98,7 @@ def build(
         env.node(rag),
         name="rag",
         system="You answer questions from retrieved passages and cite them as [doc-id].",
-        max_tokens=256,
+        max_tokens=env.tokens(256),
         temperature=0.0,
         calls=["embed_text", "retrieve"],
         agent_type="rag",

@@ -82,13 +82,14 @@ def build(
     seed: int | None = None,
     noise: float = 0.0,
     workdir: str | None = None,
+    token_scale: float = 1.0,
     max_turns: int = 10,
     test_timeout: float = 30.0,
 ) -> tc.App:
     """The tool-agent app; the model gets at most ``max_turns`` requests (2..40)."""
     if not isinstance(max_turns, int) or not 2 <= max_turns <= 40:
         raise ValueError(f"max_turns must be an int in 2..40, got {max_turns!r}")
-    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir)
+    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir, token_scale=token_scale)
     app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     @app.tool(predict_time=T_LIST, kind="file")
@@ -106,7 +107,7 @@ def build(
         """
         async with env.pace("read_file", T_READ):
             try:
-                return env.current().sandbox.read(path)
+                return env.current().sandbox.read(path, max_chars=6000)
             except SandboxError as exc:
                 raise tc.ToolError(str(exc), tool="read_file") from None
 
@@ -156,9 +157,11 @@ def build(
             reply = await ctx.llm(prompt, tools=TOOLS, max_turns=max_turns)
             return {"mode": "tools", "answer": reply.text.strip(), "turns": reply.turns, "stopped": None}
         except openai.BadRequestError as exc:
-            if "tool" not in str(exc).lower():
-                raise
-            return await _text_loop(ctx, prompt, max_turns)
+            turns = sum(1 for m in ctx.messages if m.get("role") == "assistant")
+            if turns == 0 and "tool" in str(exc).lower():  # the server cannot parse tool calls
+                return await _text_loop(ctx, prompt, max_turns)
+            # e.g. the conversation outgrew the context: a result to report, not a crash
+            return {"mode": "tools", "answer": "", "turns": turns, "stopped": f"server refused: {exc}"[:500]}
         except tc.ToolError as exc:  # still calling tools on the last allowed turn
             return {"mode": "tools", "answer": "", "turns": max_turns, "stopped": str(exc)}
 
@@ -167,7 +170,7 @@ def build(
         name="swe_agent",
         system="You are a software engineer. Use the tools to inspect the project, run the tests, fix the "
         "code, and run the tests again. Finish with a one-sentence summary.",
-        max_tokens=512,
+        max_tokens=env.tokens(256),
         temperature=0.0,
         after=["setup"],
         tools=TOOLS,
@@ -199,7 +202,15 @@ async def _text_loop(ctx: tc.Context, task_prompt: str, max_turns: int) -> dict[
     prompt = task_prompt
     text = ""
     for turn in range(1, max_turns + 1):
-        reply = await ctx.llm(prompt, system=_TEXT_PROTOCOL, new_session=turn == 1)
+        try:
+            reply = await ctx.llm(prompt, system=_TEXT_PROTOCOL, tools=[], new_session=turn == 1)
+        except openai.BadRequestError as exc:  # e.g. the conversation outgrew the context
+            return {
+                "mode": "text",
+                "answer": text,
+                "turns": turn - 1,
+                "stopped": f"server refused: {exc}"[:500],
+            }
         text = reply.text.strip()
         match = _CALL.search(text)
         if match is None or text.upper().startswith("DONE"):
@@ -213,7 +224,7 @@ async def _text_loop(ctx: tc.Context, task_prompt: str, max_turns: int) -> dict[
             if not isinstance(args, dict):
                 raise ValueError("arguments must be a JSON object")
             result = await ctx.call(name, **args)
-            prompt = clip(result if isinstance(result, str) else json.dumps(result), 4000)
+            prompt = clip(result if isinstance(result, str) else json.dumps(result), 1500)
         except (ValueError, tc.ToolError) as exc:  # bad JSON, bad arguments, tool failure
             prompt = f"error: {exc}"
     return {"mode": "text", "answer": text, "turns": max_turns, "stopped": "max_turns reached"}

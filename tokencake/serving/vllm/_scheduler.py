@@ -40,7 +40,7 @@ from tokencake.events import META_KEY, EventAck, RequestMeta, StallBegin, StallE
 from tokencake.serving.forecast import DurationForecaster
 from tokencake.serving.gate import GateInput, OffloadGate, TransferModel
 from tokencake.serving.host_pool import HostPool, HostPoolExhausted
-from tokencake.serving.prefetch import stall_expiry_s
+from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
 from tokencake.serving.sessions import SessionTracker, StallTransition
 from tokencake.serving.stats import Stats
 from tokencake.serving.vllm import _blockpool as bp
@@ -128,11 +128,11 @@ class _Stall:
     offload_job: int | None = None
     next_eval: float = 0.0
     ended_at: float | None = None
-    #: none → due → issued → done (or skipped); ``deferred`` counts headroom refusals.
-    prefetch: str = "none"
+    #: The prefetch copy in flight (its timing and state live in the ``PrefetchPlanner``).
     prefetch_job: int | None = None
-    prefetch_done_at: float | None = None
+    #: Blocks published in the device prefix cache by prefetches of this stall.
     prefetched: list[bytes] = field(default_factory=list)
+    #: Headroom refusals; a deferred prefetch waits for the next regular step.
     deferred: int = 0
     accounted: bool = False
 
@@ -188,6 +188,14 @@ class SchedulerSide:
             min_waiting=self.opts.min_waiting,
         )
         self.sessions = SessionTracker(clock=clock)
+        self.planner = PrefetchPlanner(
+            clock=clock,
+            safety_margin_s=self.opts.prefetch_margin_s,
+            expiry_factor=self.opts.expiry_factor,
+            expiry_min_s=self.opts.expiry_min_s,
+            expiry_max_s=self.opts.expiry_max_s,
+            unused_after_s=self.opts.end_grace_s,
+        )
         self.pool: BlockPool | None = None
         private = bp.check()
         self.private_ok = private is None
@@ -216,6 +224,7 @@ class SchedulerSide:
         self.stats.register("sessions", self.sessions.stats)
         self.stats.register("forecast", self.forecaster.stats)
         self.stats.register("gate", self.gate.stats)
+        self.stats.register("prefetch_plan", self.planner.stats)
         self.stats.register("engine", self._engine_stats)
         self.stats.register("config", self._config_stats)
 
@@ -257,8 +266,25 @@ class SchedulerSide:
         """True while copies are in flight, transitions wait, or a prefetch is due now."""
         if self._jobs or self._outbox or self.sessions.stats()["pending_transitions"]:
             return True
-        now = self.clock()
-        return any(s.prefetch == "due" or self._prefetch_due_at(s) <= now for s in self._live_prefetches())
+        if not self.prefetch_enabled:
+            return False
+        # A prefetch deferred for headroom is retried at the next regular step; it must not keep an
+        # otherwise idle engine spinning.
+        for sid in self.planner.due(self.clock()):
+            stall = self._stall(sid)
+            if stall is not None and not stall.deferred and not self._offload_pending(stall):
+                return True
+        return False
+
+    @property
+    def prefetch_enabled(self) -> bool:
+        return self.opts.prefetch and self.private_ok
+
+    def _stall(self, stall_id: str) -> _Stall | None:
+        return self._stalls.get(stall_id) or self._ended.get(stall_id)
+
+    def _offload_pending(self, stall: _Stall) -> bool:
+        return stall.offload_job is not None and stall.offload_job in self._jobs
 
     def on_new_request(self, request: Request) -> None:
         meta = request_meta(request)
@@ -393,8 +419,10 @@ class SchedulerSide:
     def build_meta(self) -> TokenCakeMetadata:
         try:
             self._step(self.clock())
-        finally:
-            jobs = self.flush()
+        except Exception:  # policy failure: skip this step's policy work, still ship planned loads
+            self.stats.inc("errors.step")
+            log.exception("TokenCake: step failed")
+        jobs = self.flush()
         if jobs:
             self.stats.inc("steps.with_jobs")
         return TokenCakeMetadata(jobs)
@@ -482,6 +510,7 @@ class SchedulerSide:
                 self._expire(stall, tr.detail or "expired")
 
     def _finish_stall(self, stall: _Stall) -> None:
+        self.stats.inc(f"stalls.final_decision.{stall.decision or 'undecided'}")
         self._ended[stall.stall_id] = stall
         self._last_stall[stall.session_id] = stall
         if stall.decision is not None:
@@ -515,6 +544,12 @@ class SchedulerSide:
             )
         )
         first = stall.decision is None
+        if not first and decision.reason == "no_blocks":
+            # The blocks were evicted while we waited for pressure or room: keep the reason we were
+            # waiting for (that is why nothing was offloaded) and stop asking.
+            self.stats.inc(f"stalls.lost_while_waiting.{stall.decision}")
+            stall.next_eval = float("inf")
+            return
         stall.decision = decision.reason
         if first:
             self.stats.inc(f"stalls.decision.{decision.reason}")

