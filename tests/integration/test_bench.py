@@ -1,53 +1,79 @@
 """Issue 6 acceptance: ``tokencake bench`` on real vLLM-CPU servers, CI-sized.
 
-One short run of the ci preset's workload shape (2 turns instead of 3: about two minutes on
-2 cores including three server starts): it must write every output file, a results.json that matches
-the published schema, and pass the equal-work check (identical output token counts per call on
-stock vLLM, TokenCake and the ideal).
+The ci preset's workload shape with 2 turns instead of 3, run through ``run_bench`` and written with the
+same report code as the CLI. To keep CI short it reuses the session's baseline and extension servers
+(same 40-block device KV as the preset; metrics are deltas, and the synthetic prompts are unique, so
+earlier tests do not help or hurt) and starts only the ideal server itself. It must write every output
+file, a results.json that matches the published schema, and pass the equal-work check.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
 
-from tokencake.bench import RESULTS_SCHEMA
-from tokencake.cli import main
+from tokencake.bench import RESULTS_SCHEMA, presets, report, run_bench
+from tokencake.serving import Server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_bench_ci_sized_run_writes_valid_results(tmp_path: Path) -> None:
+def test_bench_ci_sized_run_writes_valid_results(
+    tmp_path: Path, baseline_server: Server, tokencake_server: Server
+) -> None:
+    config = presets.build("ci", presets.Overrides(turns=2))
+    assert config.server.device_blocks == baseline_server.num_gpu_blocks == tokencake_server.num_gpu_blocks
+
+    @contextmanager
+    def server_cls(**kwargs: Any) -> Iterator[Server]:
+        blocks = kwargs["num_gpu_blocks"]
+        if kwargs["baseline"] and blocks == baseline_server.num_gpu_blocks:
+            yield baseline_server
+        elif not kwargs["baseline"] and blocks == tokencake_server.num_gpu_blocks:
+            yield tokencake_server
+        else:
+            with Server(**kwargs) as server:  # the ideal: a large device KV of its own
+                yield server
+
     out = tmp_path / "bench"
-    rc = main(["bench", "--preset", "ci", "--out", str(out), "--turns", "2"])
-    results = json.loads((out / "results.json").read_text())
-    jsonschema.validate(results, RESULTS_SCHEMA)
-    point = results["points"][0]
+    results = run_bench(config, log_dir=out / "logs", server_cls=server_cls)
+    report.write_all(results, out)
+
+    saved = json.loads((out / "results.json").read_text())
+    jsonschema.validate(saved, RESULTS_SCHEMA)
+    point = saved["points"][0]
     assert point["equal_work"]["passed"], point["equal_work"]
-    assert results["valid"] and rc == 0, results["warnings"]
-    for name in ("summary.csv", "calls.csv", "e2e_cdf.png", "kv_usage.png", "node_breakdown.png"):
+    assert saved["valid"], saved["warnings"]
+    for name in (
+        "summary.csv",
+        "summary.md",
+        "calls.csv",
+        "e2e_cdf.png",
+        "kv_usage.png",
+        "node_breakdown.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     rows = {r["system"]: r for r in csv.DictReader((out / "summary.csv").open())}
     assert set(rows) == {"baseline", "tokencake", "ideal"}
 
     systems = point["systems"]
-    calls = point["equal_work"]["calls_compared"]
-    assert calls == 5 * 2
+    assert point["equal_work"]["calls_compared"] == 5 * 2
     for name, s in systems.items():
         assert s["client"]["apps_failed"] == 0, name
-        assert s["server"]["requests"] == calls, name
+        assert s["server"]["requests"] == 5 * 2, name
         assert s["kv"]["series"], name
     # The ideal never evicts, so it never computes more prompt tokens than the constrained stock server.
-    assert (
-        systems["ideal"]["server"]["computed_prompt_tokens"]
-        <= systems["baseline"]["server"]["computed_prompt_tokens"]
-    )
-    assert systems["ideal"]["server"]["preemptions"] == 0
-    # The extension answered /v1/stats and the SDK's stall events reached it.
+    ideal, base = systems["ideal"]["server"], systems["baseline"]["server"]
+    assert ideal["computed_prompt_tokens"] <= base["computed_prompt_tokens"]
+    assert ideal["preemptions"] == 0
+    # The extension answered /v1/stats and the SDK's stall events reached it (one per tool call).
     ext = systems["tokencake"]["extension"]
     assert ext is not None and ext["after"] is not None
-    assert ext["delta"].get("counters.events.stall_begin", 0) >= 5
+    assert ext["delta"].get("counters.events.stall_begin", 0) == 5

