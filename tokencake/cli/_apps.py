@@ -8,6 +8,7 @@ output gets plain lines, and ``--json`` prints exactly one JSON document on stdo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -54,6 +55,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--base-url", help="OpenAI-compatible base URL (default: $TOKENCAKE_BASE_URL or :8000/v1)"
     )
     src.add_argument("--scripted", action="store_true", help="use the app's deterministic offline script")
+    src.add_argument(
+        "--serve",
+        action="store_true",
+        help="start the embedded default server for this run (vLLM + TokenCake extension + --model, "
+        "default the bundled SmolLM2), stop it afterwards",
+    )
     p.add_argument("--model", help="model name (default: the server's first model)")
     p.add_argument("--api-key", help="API key (default: $TOKENCAKE_API_KEY)")
     p.add_argument(
@@ -287,12 +294,14 @@ def _inputs(app: Any, name: str, args: argparse.Namespace) -> dict[str, str]:
     return values
 
 
-def _llm(name: str, args: argparse.Namespace) -> Any:
+def _llm(name: str, args: argparse.Namespace, server: Any = None) -> Any:
     import tokencake as tc
     from tokencake.agents import catalog
 
     if args.scripted:
         return catalog.scripted_llm(name)
+    if server is not None:
+        return tc.LLM(server.base_url, server.model, args.api_key, events_url=server.events_url or False)
     events: str | bool | None = args.events_url
     if events is None:
         events = os.environ.get("TOKENCAKE_EVENTS_URL") or "auto"
@@ -400,9 +409,6 @@ def _summary_table(result: Any) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import anyio
-
-    import tokencake as tc
 
     params: dict[str, Any] = {k: _param_value(v) for k, v in _pairs(args.param, "--param").items()}
     for key in ("latency", "seed", "noise", "workdir"):
@@ -411,7 +417,47 @@ def cmd_run(args: argparse.Namespace) -> int:
     params.update(latency=args.latency, seed=args.seed, noise=args.noise, workdir=args.workdir)
     app = _build(args.app, params)
     inputs = _inputs(app, args.app, args)
-    llm = _llm(args.app, args)
+    with contextlib.ExitStack() as stack:
+        server = _embedded_server(args, stack) if args.serve else None
+        llm = _llm(args.app, args, server)
+        code = _run_and_report(args, app, inputs, llm)
+        if server is not None:
+            _print_server_stats(server)
+        return code
+
+
+def _embedded_server(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
+    """``tokencake serve`` as a context for one run (stopped when the run is over)."""
+    from tokencake.serving import ModelError, Server, ServerError
+
+    try:
+        server = stack.enter_context(Server(args.model, api_key=args.api_key, progress=True))
+    except (ServerError, ModelError) as exc:
+        raise _error(str(exc)) from None
+    print(f"server ready in {server.startup_s:.0f} s at {server.base_url}", file=sys.stderr, flush=True)
+    return server
+
+
+def _print_server_stats(server: Any) -> None:
+    """What the extension did during the run (stderr: stdout may be --json)."""
+    try:
+        counters = server.stats().get("counters", {})
+    except Exception as exc:  # the run's result matters more than its statistics
+        print(f"(server statistics unavailable: {exc})", file=sys.stderr)
+        return
+    keys = sorted(
+        k
+        for k in counters
+        if k.startswith(("events.", "offload.", "prefetch.", "demand_load.", "next_turn.", "tokens."))
+    )
+    summary = ", ".join(f"{k}={counters[k]}" for k in keys) or "no stall activity"
+    print(f"extension: {summary}", file=sys.stderr)
+
+
+def _run_and_report(args: argparse.Namespace, app: Any, inputs: dict[str, str], llm: Any) -> int:
+    import anyio
+
+    import tokencake as tc
 
     out_console = _console(sys.stdout)
     err_console = _console(sys.stderr)

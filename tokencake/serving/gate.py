@@ -137,7 +137,7 @@ class GateInput:
     predicted_s: float
     #: The session's cached full blocks on device (the prefix to protect).
     num_blocks: int
-    #: Bytes of one block across all layers (``HostBlockStore.bytes_per_block``).
+    #: Bytes of one block across all layers (``tokencake.serving.vllm._copy.BlockCopier.block_bytes``).
     block_bytes: int
     #: Device KV usage in [0, 1] (used blocks / total).
     device_usage: float

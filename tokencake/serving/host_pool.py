@@ -1,17 +1,16 @@
-"""The host block pool: pre-allocated host memory for KV blocks, and its bookkeeping.
+"""The host block pool's scheduler-side bookkeeping.
 
-Two classes, split so policy stays testable without torch:
+:class:`HostPool` is pure bookkeeping over ``num_blocks`` slot indices: free list, block-hash →
+slot index, per-slot state (``free`` → ``filling`` → ``ready``), owners (stall or session ids)
+that pin slots, and an LRU of ready slots nobody owns, reclaimed when the free list runs dry.
+A hash becomes visible to :meth:`HostPool.lookup` only after :meth:`HostPool.commit`, i.e.
+after the copy is confirmed, so nobody can load a half-written block.
 
-* :class:`HostPool` — pure bookkeeping over ``num_blocks`` slot indices: free list, block-hash →
-  slot index, per-slot state (``free`` → ``filling`` → ``ready``), owners (stall or session ids)
-  that pin slots, and an LRU of ready slots nobody owns, reclaimed when the free list runs dry.
-  A hash becomes visible to :meth:`HostPool.lookup` only after :meth:`HostPool.commit`, i.e.
-  after the copy is confirmed, so nobody can load a half-written block.
-* :class:`HostBlockStore` — the memory itself: one tensor per layer, ``[num_blocks, *block_shape]``,
-  allocated once (pinned on CUDA, pre-touched on CPU) and reused forever; offloads never allocate.
-  Copy helpers move whole blocks between the device KV cache and host slots.
+The host memory itself is :class:`tokencake.serving.vllm._copy.BlockCopier`: one tensor per KV
+layer, allocated once in the worker process (pinned on CUDA) and reused forever, plus the D2H /
+H2D block copies. The slot indices handed out here are its host block indices.
 
-Nothing here imports torch at module import time (the scheduler side runs without tensors).
+Nothing here imports torch (the scheduler side runs without tensors).
 """
 
 from __future__ import annotations
@@ -19,19 +18,14 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    import torch
+from collections.abc import Iterable
+from typing import Any, Literal
 
 __all__ = [
-    "HostBlockStore",
     "HostPool",
     "HostPoolExhausted",
     "SlotState",
     "blocks_for_gib",
-    "coalesce_runs",
 ]
 
 SlotState = Literal["free", "filling", "ready"]
@@ -310,135 +304,3 @@ class HostPool:
         self._drop_hash(slot)
         self._state[slot] = "free"
         self._free.append(slot)
-
-
-def coalesce_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Group index pairs into ``(src_start, dst_start, length)`` runs where both sides are consecutive.
-
-    Fewer, larger copies: a session's blocks are often allocated back to back on both sides.
-    """
-    if len(src) != len(dst):
-        raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((s, d, 1))
-    return runs
-
-
-class HostBlockStore:
-    """Host memory of the pool: one tensor ``[num_blocks, *block_shape]`` per KV-cache layer.
-
-    Allocated once; pinned when the device is CUDA (so copies are async DMA), otherwise zero-filled
-    up front so the first offload does not pay page faults. ``save`` copies device blocks into
-    host slots, ``load`` the reverse. On CUDA the copies are issued ``non_blocking`` per contiguous
-    run on the current stream: the caller owns the stream and must record/wait an event before
-    committing slots (save) or letting a forward read the blocks (load). On CPU a batched
-    ``index_select`` + ``index_copy_`` per layer is synchronous and done when the call returns.
-
-    Device tensors must have the block dimension first (the CPU backend's
-    ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``); for layouts like
-    ``[2, num_blocks, ...]`` pass the view ``kv.transpose(0, 1)`` and its ``shape[1:]`` as block shape.
-    """
-
-    def __init__(
-        self,
-        num_blocks: int,
-        layer_shapes: Mapping[str, tuple[int, ...]],
-        dtype: torch.dtype,
-        device_is_cuda: bool = False,
-        *,
-        coalesce: bool | None = None,
-    ) -> None:
-        import torch
-
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if not layer_shapes:
-            raise ValueError("HostBlockStore needs at least one layer shape")
-        self.num_blocks = num_blocks
-        self.dtype = dtype
-        self.device_is_cuda = device_is_cuda
-        #: Per-run ``copy_`` (required for async CUDA copies) instead of index_select/index_copy_.
-        self.coalesce = device_is_cuda if coalesce is None else coalesce
-        self.block_shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in layer_shapes.items()}
-        self.tensors: dict[str, torch.Tensor] = {}
-        for name, shape in self.block_shapes.items():
-            full = (num_blocks, *shape)
-            if device_is_cuda:
-                self.tensors[name] = torch.empty(full, dtype=dtype, pin_memory=True)
-            else:
-                self.tensors[name] = torch.zeros(full, dtype=dtype)
-        elem = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_block = sum(math.prod(s) for s in self.block_shapes.values()) * elem
-
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_block * self.num_blocks
-
-    def save(
-        self,
-        layer_tensors: Mapping[str, torch.Tensor],
-        device_block_ids: Sequence[int],
-        slots: Sequence[int],
-    ) -> int:
-        """Copy device blocks ``device_block_ids[i]`` → host ``slots[i]`` for every layer; returns bytes."""
-        self._check_ids(device_block_ids, slots)
-        for name, host in self.tensors.items():
-            dev = self._layer(layer_tensors, name)
-            if self.coalesce:
-                for s, d, n in coalesce_runs(device_block_ids, slots):
-                    host[d : d + n].copy_(dev[s : s + n], non_blocking=self.device_is_cuda)
-            else:
-                src_idx = self._index(device_block_ids, dev.device)
-                dst_idx = self._index(slots, host.device)
-                host.index_copy_(0, dst_idx, dev.index_select(0, src_idx).to(host.device))
-        return len(slots) * self.bytes_per_block
-
-    def load(
-        self,
-        layer_tensors: Mapping[str, torch.Tensor],
-        slots: Sequence[int],
-        device_block_ids: Sequence[int],
-    ) -> int:
-        """Copy host ``slots[i]`` → device blocks ``device_block_ids[i]`` for every layer; returns bytes."""
-        self._check_ids(device_block_ids, slots)
-        for name, host in self.tensors.items():
-            dev = self._layer(layer_tensors, name)
-            if self.coalesce:
-                for s, d, n in coalesce_runs(slots, device_block_ids):
-                    dev[d : d + n].copy_(host[s : s + n], non_blocking=self.device_is_cuda)
-            else:
-                src_idx = self._index(slots, host.device)
-                dst_idx = self._index(device_block_ids, dev.device)
-                dev.index_copy_(0, dst_idx, host.index_select(0, src_idx).to(dev.device))
-        return len(slots) * self.bytes_per_block
-
-    # ---------------------------------------------------------------- helpers
-    def _layer(self, layer_tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-        dev = layer_tensors.get(name)
-        if dev is None:
-            raise KeyError(f"layer {name!r} of the host store is missing from the device KV caches")
-        if tuple(dev.shape[1:]) != self.block_shapes[name] or dev.dtype != self.dtype:
-            raise ValueError(
-                f"layer {name!r}: device blocks {tuple(dev.shape[1:])} {dev.dtype} do not match "
-                f"host blocks {self.block_shapes[name]} {self.dtype}"
-            )
-        return dev
-
-    def _check_ids(self, device_block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        if len(device_block_ids) != len(slots):
-            raise ValueError(f"{len(device_block_ids)} device blocks but {len(slots)} host slots")
-        for slot in slots:
-            if not 0 <= slot < self.num_blocks:
-                raise ValueError(f"host slot {slot} out of range [0, {self.num_blocks})")
-
-    @staticmethod
-    def _index(ids: Sequence[int], device: Any) -> torch.Tensor:
-        import torch
-
-        return torch.as_tensor(list(ids), dtype=torch.long, device=device)

@@ -445,7 +445,7 @@ class Server:
         return self._cpu
 
     def connector_extra_config(self) -> dict[str, Any]:
-        """``kv_connector_extra_config`` for the TokenCake connector (keys: see CONTRACT §B)."""
+        """``kv_connector_extra_config`` for the TokenCake connector (keys: docs/architecture.md)."""
         extra: dict[str, Any] = {
             "events_host": self.host,
             "events_port": self._events_port(),
@@ -467,6 +467,8 @@ class Server:
             "kv_connector": CONNECTOR_CLASS,
             "kv_role": "kv_both",
             "kv_connector_module_path": CONNECTOR_MODULE,
+            # A failed host->device load must recompute, never serve (or kill the engine on) bad KV.
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": self.connector_extra_config(),
         }
 

