@@ -15,7 +15,7 @@ def test_dry_run_prints_config_and_seeded_workload(capsys):
     assert [s["name"] for s in data["config"]["systems"]] == ["baseline", "tokencake"]
     wl = data["workloads"][0]
     assert wl["seed"] == 3 and wl["llm"]["ignore_eos"] is True and wl["llm"]["temperature"] == 0.0
-    assert wl["arrival"] == "concurrent" and len(wl["arrivals"]) == 5
+    assert wl["arrival"] == "concurrent" and len(wl["arrivals"]) == 6
     assert "synthetic" in wl["notes"][0]
 
 
@@ -41,7 +41,7 @@ def test_presets_are_well_formed():
     ci = presets.build("ci")
     assert ci.server.device_blocks == 40 and ci.server.ideal_blocks >= 2 * ci.server.device_blocks
     # room for every agent's final context (~1,000 tokens + turns) at once: 5 x 12 blocks
-    assert ci.server.ideal_blocks >= 5 * 12
+    assert ci.server.ideal_blocks >= 6 * 12
     assert [s.name for s in ci.systems] == ["baseline", "tokencake", "ideal"]
     head = presets.build("headroom")
     assert head.points[0].workload.arrivals[0].params["turns"] == 6

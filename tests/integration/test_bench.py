@@ -64,10 +64,10 @@ def test_bench_ci_sized_run_writes_valid_results(
     assert set(rows) == {"baseline", "tokencake", "ideal"}
 
     systems = point["systems"]
-    assert point["equal_work"]["calls_compared"] == 5 * 2
+    assert point["equal_work"]["calls_compared"] == 6 * 2
     for name, s in systems.items():
         assert s["client"]["apps_failed"] == 0, name
-        assert s["server"]["requests"] == 5 * 2, name
+        assert s["server"]["requests"] == 6 * 2, name
         assert s["kv"]["series"], name
     # The ideal never evicts, so it never computes more prompt tokens than the constrained stock server.
     ideal, base = systems["ideal"]["server"], systems["baseline"]["server"]
@@ -76,4 +76,4 @@ def test_bench_ci_sized_run_writes_valid_results(
     # The extension answered /v1/stats and the SDK's stall events reached it (one per tool call).
     ext = systems["tokencake"]["extension"]
     assert ext is not None and ext["after"] is not None
-    assert ext["delta"].get("counters.events.stall_begin", 0) == 5
+    assert ext["delta"].get("counters.events.stall_begin", 0) == 6

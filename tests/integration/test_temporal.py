@@ -164,20 +164,19 @@ def run_scenario(
     second = agent.turn()
     metrics_after = ext.metrics()
     stats_after = ext.stats()
-    # The same turns on the baseline server. Its cache is never under pressure, so turn 2 hits turn
-    # 1's prefix there, as it must on the extension when the host pool served it. A fallback that
-    # recomputed A's whole context is compared with a recompute: turn 2 first, on a cold prefix.
+    # The same turns on the baseline server, turn 1 on a cold cache as on the extension. Without
+    # other traffic in between, turn 2 hits turn 1's prefix there, as it must on the extension when
+    # the host pool served it. A fallback that recomputed A's whole context is compared with a
+    # recompute: the baseline replays the evicting traffic between the turns, as stock vLLM sees it.
     # (bf16 greedy output may differ between "prefix hit" and "full prefill" even on stock vLLM.)
     base_agent = Agent(base, run_id, agent.session_id)
     first_msgs, all_msgs = list(agent.messages[:2]), list(agent.messages)
-    if baseline_recompute:
-        base_agent.messages = all_msgs
-        base_second = base_agent.turn(with_meta=False)
     base_agent.messages = first_msgs
     base_first = base_agent.turn(with_meta=False) if session_known else None
-    if not baseline_recompute:
-        base_agent.messages = all_msgs
-        base_second = base_agent.turn(with_meta=False)
+    if baseline_recompute:
+        other_traffic(base, run_id)
+    base_agent.messages = all_msgs
+    base_second = base_agent.turn(with_meta=False)
     return {
         "acks": acks,
         "first": first,

@@ -76,6 +76,17 @@ def test_too_short_uses_margin_rule() -> None:
 
 def test_elapsed_time_shrinks_window() -> None:
     assert decide(predicted_s=1.0, elapsed_s=0.95).reason == "too_short"
+    assert decide(predicted_s=1.0, elapsed_s=0.5).reason == "offload"
+
+
+def test_overdue_stall_estimates_remaining_from_elapsed() -> None:
+    # Overdue by a little: 0.5 x 1.05 s left covers the round trip and the margin.
+    d = decide(predicted_s=1.0, elapsed_s=1.05)
+    assert d.reason == "offload" and d.remaining_s == pytest.approx(0.525)
+    # Just begun and already overdue (a zero forecast): nothing left to win.
+    assert decide(predicted_s=0.0, elapsed_s=0.01).reason == "too_short"
+    # overdue_factor=0 restores "an overdue stall is never offloaded".
+    assert decide(make_gate(overdue_factor=0.0), predicted_s=1.0, elapsed_s=1.5).reason == "too_short"
 
 
 def test_emergency_drops_margin() -> None:

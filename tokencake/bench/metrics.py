@@ -343,7 +343,7 @@ def extension_summary(
             if k.startswith("counters.stalls.decision.") and v
         },
         "copy_failures": _sum(
-            d, "counters.offload.failed", "counters.prefetch.failed", "counters.load.failed"
+            d, "counters.offload.failed", "counters.prefetch.failed", "counters.load.failed", default=zero
         ),
         "errors": {
             k[len("counters.errors.") :]: v for k, v in d.items() if k.startswith("counters.errors.") and v

@@ -1,8 +1,8 @@
 """Named benchmark configurations: ``ci``, ``headroom`` and ``paper``.
 
-* ``ci`` — a few minutes on 2 CPU cores including three server starts. Five synthetic multi-turn agents
-  (~1,000-token private contexts, 3 turns, 3–6 s tools) on a 40-block device KV cache: enough pressure
-  that stock vLLM evicts an idle agent's prefix during its tool call.
+* ``ci`` — a few minutes on 2 CPU cores including three server starts. Six synthetic multi-turn agents
+  (~1,000-token private contexts, 3 turns, 3.5–4.5 s tools, 24 output tokens per turn) on a 40-block
+  device KV cache: enough pressure that stock vLLM evicts an idle agent's prefix during its tool call.
 * ``headroom`` — the research digest's headroom experiment: six agents, ~1,000-token contexts, 6 turns,
   3 s tools, 40 device blocks vs a never-evicting ideal. The larger run (about 10 minutes on 2 cores).
 * ``paper`` — the paper's setting: Code-Writer + Deep-Research from the catalog with published tool
@@ -149,14 +149,15 @@ def ci(o: Overrides) -> BenchConfig:
     return _multi_turn(
         "ci",
         o,
-        agents=5,
+        agents=6,
         turns=3,
         context_tokens=1000,
-        max_tokens=16,
-        # Paper-like tool times (its tools take 0.1-10 s, most >= 4 s). With 1-3 s tools the extension's
-        # gate judges every stall too short on 2 CPU cores: stall_begin is handled at the next engine
-        # step, which takes seconds while other agents prefill.
-        tool_s=(3.0, 6.0),
+        max_tokens=24,
+        # Paper-like tool times (its tools take 0.1-10 s, most >= 4 s), nearly in lockstep so the agents'
+        # next turns compete for the device KV at the same time. With 1-3 s tools the extension's gate
+        # judges stalls too short on 2 CPU cores: stall_begin is handled at the next engine step, which
+        # takes seconds while other agents prefill.
+        tool_s=(3.5, 4.5),
         device_blocks=40,
         purpose="ci",
     )

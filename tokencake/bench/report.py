@@ -385,10 +385,15 @@ def plot_node_breakdown(results: Mapping[str, Any], path: Path, max_nodes: int =
     width = 0.8 / max(1, len(systems))
     colors = {"llm_s": "tab:blue", "tool_s": "tab:orange", "queue_s": "tab:gray"}
     hatches = ["", "//", "..", "xx", "\\\\", "oo"]
+    parts = [
+        (key, label)
+        for key, label in _PARTS
+        if any(breakdown[name].get(n, {}).get(key, 0.0) > 0.01 for name in systems for n in nodes)
+    ]
     for si, name in enumerate(systems):
         bottom = [0.0] * len(nodes)
         xs = [i + si * width for i in range(len(nodes))]
-        for key, label in _PARTS:
+        for key, label in parts:
             vals = [breakdown[name].get(n, {}).get(key, 0.0) for n in nodes]
             ax.bar(
                 xs,
@@ -405,7 +410,9 @@ def plot_node_breakdown(results: Mapping[str, Any], path: Path, max_nodes: int =
     ax.set_xticklabels(nodes, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("mean seconds per node")
     ax.set_title(f"per-node time: LLM vs tool stall ({point['label']})")
-    ax.legend(fontsize=7, ncol=len(systems))
+    top = max((totals[n] for n in nodes), default=1.0)
+    ax.set_ylim(0, top * 1.45 if top > 0 else 1.0)  # room for the legend above the bars
+    ax.legend(fontsize=7, ncol=len(systems), loc="upper center")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

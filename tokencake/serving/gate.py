@@ -44,7 +44,7 @@ REASONS: tuple[str, ...] = (
     "offload",
 )
 #: Reasons whose decision may change if asked again later in the same stall (pressure or room can appear).
-RETRYABLE: frozenset[str] = frozenset({"no_pressure", "host_pool_full"})
+RETRYABLE: frozenset[str] = frozenset({"too_short", "no_pressure", "host_pool_full"})
 
 
 class TransferModel:
@@ -179,6 +179,14 @@ class Decision:
         return asdict(self)
 
 
+def remaining_s(predicted_s: float, elapsed_s: float, overdue_factor: float) -> float:
+    """Expected seconds left in a stall: the forecast's rest, or ``overdue_factor × elapsed`` once the
+    stall has outlived its forecast (E[T − t | T > t] = t / (α − 1) for a Pareto tail; α = 3 → 0.5)."""
+    elapsed = max(elapsed_s, 0.0)
+    left = predicted_s - elapsed
+    return left if left > 0 else overdue_factor * elapsed
+
+
 class OffloadGate:
     """Deterministic offload decision for one stall; counts decisions by reason (thread-safe)."""
 
@@ -192,8 +200,17 @@ class OffloadGate:
         usage_threshold: float = 0.60,
         emergency_usage: float = 0.85,
         min_waiting: int = 1,
+        overdue_factor: float = 0.5,
     ) -> None:
-        """``usage_threshold=0`` offloads regardless of pressure; ``min_waiting=0`` ignores the queue."""
+        """``usage_threshold=0`` offloads regardless of pressure; ``min_waiting=0`` ignores the queue.
+
+        ``overdue_factor``: once a stall outlives its forecast, its remaining time is estimated as
+        ``overdue_factor × elapsed`` (heavy-tailed tool times: the longer a call has run, the longer
+        it is likely to run on), so an overdue stall is not written off as "too short" forever.
+        """
+        if overdue_factor < 0:
+            raise ValueError("overdue_factor must be >= 0")
+        self.overdue_factor = overdue_factor
         if min_margin_s < 0 or margin_factor < 0:
             raise ValueError("min_margin_s and margin_factor must be >= 0")
         if not 0 <= usage_threshold <= 1 or not 0 <= emergency_usage <= 1:
@@ -233,7 +250,7 @@ class OffloadGate:
         h2d = self.transfer.estimate("h2d", num_blocks * block_bytes)
         transfer = d2h + h2d
         predicted = inp.predicted_s if math.isfinite(inp.predicted_s) else 0.0
-        remaining = max(predicted - max(inp.elapsed_s, 0.0), 0.0)
+        remaining = remaining_s(predicted, inp.elapsed_s, self.overdue_factor)
         usage = inp.device_usage if math.isfinite(inp.device_usage) else 0.0
         emergency = inp.emergency or usage >= self.emergency_usage
         margin = 0.0 if emergency else max(self.min_margin_s, self.margin_factor * transfer)
@@ -248,7 +265,7 @@ class OffloadGate:
             "emergency": emergency,
         }
         if slack < 0:
-            return Decision(False, "too_short", **common)
+            return Decision(False, "too_short", retryable="too_short" in RETRYABLE, **common)
         waiting = self.min_waiting > 0 and inp.num_waiting >= self.min_waiting
         pressure = emergency or usage >= self.usage_threshold or waiting
         if not pressure:
