@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The ci preset: stock vLLM vs TokenCake vs the ideal on 5 synthetic multi-turn agents (~4 min on 2 cores).
+# The ci preset: stock vLLM vs TokenCake vs the ideal on 6 synthetic multi-turn agents (~2 min on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out/ci}"

@@ -4,11 +4,11 @@
   (~1,000-token private contexts, 3 turns, 3.5–4.5 s tools, 24 output tokens per turn) on a 40-block
   device KV cache: enough pressure that stock vLLM evicts an idle agent's prefix during its tool call.
 * ``headroom`` — the research digest's headroom experiment: six agents, ~1,000-token contexts, 6 turns,
-  3 s tools, 40 device blocks vs a never-evicting ideal. The larger run (about 10 minutes on 2 cores).
+  3 s tools, 40 device blocks vs a never-evicting ideal. The larger run (about 3 minutes on 2 cores).
 * ``paper`` — the paper's setting: Code-Writer + Deep-Research from the catalog with published tool
   times, Poisson arrivals swept over 0.05 … 1.0 apps/s. Each point replays ``apps`` arrivals on every
-  system; on 2 CPU cores with SmolLM2-135M a point takes tens of minutes, the sweep several hours (see
-  docs/benchmarks.md). Use a GPU machine or ``--rates`` / ``--apps`` to cut it down.
+  system; on 2 CPU cores with SmolLM2-135M a 10-app point takes roughly 5–10 minutes per system, the
+  sweep about two hours (measured basis in docs/benchmarks.md). ``--rates`` / ``--apps`` cut it down.
 
 Every knob can be overridden from the command line (:class:`Overrides`); the resulting config, including
 the full workload, is stored in ``results.json``.

@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
         "--preset",
         default="ci",
         choices=PRESET_NAMES,
-        help="ci (~4 min on 2 cores), headroom (~10 min), paper (hours on CPU); default ci",
+        help="ci (~2 min on 2 cores), headroom (~3 min), paper (~2 h on CPU); default ci",
     )
     p.add_argument(
         "--out", type=Path, default=Path("bench-out"), help="output directory (default: bench-out)"

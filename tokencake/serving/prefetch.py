@@ -281,6 +281,11 @@ class PrefetchPlanner:
                 if session_id is None or p.session_id == session_id
             ]
 
+    def counts(self) -> dict[str, int]:
+        """A copy of the cumulative counters (classifications, starts, cancellations); cheap."""
+        with self._lock:
+            return dict(self._counts)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {

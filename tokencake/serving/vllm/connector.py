@@ -7,7 +7,8 @@ and once with the WORKER role in each worker process (the copies — see ``worke
 class only routes vLLM's hooks to those halves and makes every hook defensive: an exception in
 a scheduler-side hook would kill the engine, so each is caught, counted in ``/v1/stats``
 (``errors.*``) and answered with what stock vLLM would do (no external tokens, free blocks now,
-no copies).
+no copies). ``get_kv_connector_stats`` / ``build_prom_metrics`` export the key counters on vLLM's
+own ``/metrics`` as ``vllm:tokencake_*`` (see ``metrics.py``).
 
 ``kv_connector_extra_config`` keys: ``events_host`` (default 127.0.0.1), ``events_port`` (no
 listener when absent), ``api_key``, ``host_pool_blocks`` or ``host_pool_gib`` (default 1 GiB),
@@ -32,12 +33,19 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tokencake.serving.host_pool import blocks_for_gib
 from tokencake.serving.vllm import _blockpool as bp
+from tokencake.serving.vllm import metrics as tc_metrics
 from tokencake.serving.vllm._scheduler import Options, SchedulerSide, _extra_bool
 from tokencake.serving.vllm.metadata import CopyJob, TokenCakeMetadata, TokenCakeWorkerMeta
 from tokencake.serving.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
@@ -92,6 +100,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
         self._events = None
         self._waker: threading.Thread | None = None
         self._stop = threading.Event()
+        self._prom_delta = tc_metrics.DeltaTracker()
         try:
             if not vllm_config.cache_config.enable_prefix_caching:
                 raise ValueError("prefix caching is disabled (TokenCake needs it)")
@@ -303,6 +312,39 @@ class TokenCakeConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[Any]:
         return ()
+
+    # ------------------------------------------------- Prometheus (/metrics)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler side, every step: the exported counters' increase since the last call.
+
+        vLLM sends it to the API server process, where :meth:`build_prom_metrics`' object adds it
+        to the ``vllm:tokencake_*`` counters (``metrics.py``). The worker side has none.
+        """
+        if self.sched is None:
+            return None
+        try:
+            totals = tc_metrics.connector_totals(
+                self.sched.stats.counters_with_prefix(""), self.sched.planner.counts()
+            )
+            delta = self._prom_delta.delta(totals)
+            return tc_metrics.TokenCakeKVConnectorStats(delta) if delta else None
+        except Exception:
+            self._count_error("get_kv_connector_stats")
+            return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return tc_metrics.build_kv_connector_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return tc_metrics.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
