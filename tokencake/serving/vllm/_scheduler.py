@@ -400,8 +400,11 @@ class SchedulerSide:
         self.stats.set("next_turn.last_host", served - device)
         # Classify the session's planned stalls: on time only if the whole repeated prefix was on
         # device when the request came (a prefetch or blocks that were never evicted).
+        # With prefetch off the planner still tracks the stall (pins, expiry): count apart so the
+        # prefetch outcome counters only ever describe prefetches.
+        outcome = "prefetch" if self.prefetch_enabled else "no_prefetch"
         for sid, cls in self.planner.on_request(session_id, hit_on_device=local >= chain_tokens):
-            self.stats.inc(f"prefetch.{cls}")
+            self.stats.inc(f"{outcome}.{cls}")
             done = self._stall(sid)
             if cls == "on_time" and done is not None and done.prefetched:
                 self.stats.inc("tokens.prefetched_hit", len(done.prefetched) * self.block_size)
