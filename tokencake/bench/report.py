@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -314,22 +314,27 @@ def _grid(n: int) -> tuple[int, int]:
     return (n + cols - 1) // cols, cols
 
 
-def plot_e2e_cdf(results: Mapping[str, Any], path: Path) -> None:
-    """Empirical CDF of app E2E latency, one line per system, one panel per point."""
+def _per_point_panels(
+    results: Mapping[str, Any],
+    path: Path,
+    draw: Callable[[Any, str, Mapping[str, Any]], None],
+    *,
+    xlabel: str,
+    ylabel: str,
+    ylim: tuple[float, float],
+) -> None:
+    """One panel per workload point, ``draw(ax, system_name, system)`` once per system in it."""
     plt = _plt()
     points = results["points"]
     rows, cols = _grid(len(points))
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
     for ax, point in zip(axes.flat, points, strict=False):
         for name, s in point["systems"].items():
-            xs = sorted(a["e2e_s"] for a in s["apps"] if a.get("status") == "ok")
-            if xs:
-                ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                ax.step(xs, ys, where="post", label=name)
+            draw(ax, name, s)
         ax.set_title(point["label"])
-        ax.set_xlabel("app E2E latency (s)")
-        ax.set_ylabel("fraction of apps")
-        ax.set_ylim(0, 1.02)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(*ylim)
         ax.grid(alpha=0.3)
         ax.legend()
     for ax in list(axes.flat)[len(points) :]:
@@ -337,34 +342,36 @@ def plot_e2e_cdf(results: Mapping[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_e2e_cdf(results: Mapping[str, Any], path: Path) -> None:
+    """Empirical CDF of app E2E latency, one line per system, one panel per point."""
+
+    def draw(ax: Any, name: str, s: Mapping[str, Any]) -> None:
+        xs = sorted(a["e2e_s"] for a in s["apps"] if a.get("status") == "ok")
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+
+    _per_point_panels(
+        results, path, draw, xlabel="app E2E latency (s)", ylabel="fraction of apps", ylim=(0, 1.02)
+    )
 
 
 def plot_kv_usage(results: Mapping[str, Any], path: Path) -> None:
     """Device KV usage (vLLM's gauge) over the replay, one line per system, one panel per point."""
-    plt = _plt()
-    points = results["points"]
-    rows, cols = _grid(len(points))
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
-    for ax, point in zip(axes.flat, points, strict=False):
-        for name, s in point["systems"].items():
-            series = s["kv"]["series"]
-            blocks = s.get("num_gpu_blocks")
-            ax.plot(
-                [p["t"] for p in series],
-                [100 * p["kv_usage"] for p in series],
-                label=f"{name} ({blocks} blocks)" if blocks else name,
-            )
-        ax.set_title(point["label"])
-        ax.set_xlabel("time since replay start (s)")
-        ax.set_ylabel("device KV usage (%)")
-        ax.set_ylim(0, 105)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    for ax in list(axes.flat)[len(points) :]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+    def draw(ax: Any, name: str, s: Mapping[str, Any]) -> None:
+        series = s["kv"]["series"]
+        blocks = s.get("num_gpu_blocks")
+        ax.plot(
+            [p["t"] for p in series],
+            [100 * p["kv_usage"] for p in series],
+            label=f"{name} ({blocks} blocks)" if blocks else name,
+        )
+
+    _per_point_panels(
+        results, path, draw, xlabel="time since replay start (s)", ylabel="device KV usage (%)", ylim=(0, 105)
+    )
 
 
 _PARTS = (("llm_s", "LLM"), ("tool_s", "tool (stall)"), ("queue_s", "waiting for inputs"))
