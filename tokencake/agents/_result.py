@@ -131,12 +131,29 @@ class RunResult:
             "stall_events": [e.model_dump(mode="json") for e in self.stall_events],
         }
 
-    def timings_table(self) -> str:
-        """A fixed-width table of per-node timings (seconds) and tokens, plus a total line."""
-        header = ("node", "status", "start", "wall", "queue", "llm", "tool", "stall", "tokens", "llm#")
-        header += ("tool#",)
+    #: Columns of :meth:`timing_rows` (seconds, tokens and call counts per node).
+    TIMING_COLUMNS = (
+        "node",
+        "status",
+        "start",
+        "wall",
+        "queue",
+        "llm",
+        "tool",
+        "stall",
+        "tokens",
+        "llm#",
+        "tool#",
+    )
+
+    def timing_rows(self) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
+        """Formatted cells per node (in :attr:`TIMING_COLUMNS` order) and the total row.
+
+        One source for every rendering (``timings_table``, the CLI's rich table).
+        """
+        nodes = list(self.nodes.values())
         rows = []
-        for node in self.nodes.values():
+        for node in nodes:
             start = node.started - self.started if node.started is not None else None
             rows.append(
                 (
@@ -158,14 +175,20 @@ class RunResult:
             self.status,
             "",
             f"{self.wall_s:.2f}",
-            f"{sum(n.queue_s for n in self.nodes.values()):.2f}",
-            f"{sum(n.llm_s for n in self.nodes.values()):.2f}",
-            f"{sum(n.tool_s for n in self.nodes.values()):.2f}",
-            f"{sum(n.stall_s for n in self.nodes.values()):.2f}",
+            f"{sum(n.queue_s for n in nodes):.2f}",
+            f"{sum(n.llm_s for n in nodes):.2f}",
+            f"{sum(n.tool_s for n in nodes):.2f}",
+            f"{sum(n.stall_s for n in nodes):.2f}",
             str(self.usage.total_tokens),
-            str(sum(n.llm_calls for n in self.nodes.values())),
-            str(sum(n.tool_calls for n in self.nodes.values())),
+            str(sum(n.llm_calls for n in nodes)),
+            str(sum(n.tool_calls for n in nodes)),
         )
+        return rows, total
+
+    def timings_table(self) -> str:
+        """A fixed-width table of per-node timings (seconds) and tokens, plus a total line."""
+        header = self.TIMING_COLUMNS
+        rows, total = self.timing_rows()
         table = [header, *rows, total]
         widths = [max(len(r[i]) for r in table) for i in range(len(header))]
 

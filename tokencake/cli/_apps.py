@@ -376,35 +376,31 @@ def run_document(
     }
 
 
+#: The run summary's columns: (title, column of ``RunResult.TIMING_COLUMNS``).
+_SUMMARY_COLUMNS = (
+    ("node", "node"),
+    ("status", "status"),
+    ("LLM s", "llm"),
+    ("tool s", "tool"),
+    ("stall s", "stall"),
+    ("tokens", "tokens"),
+    ("LLM#", "llm#"),
+    ("tool#", "tool#"),
+)
+
+
 def _summary_table(result: Any) -> Any:
     from rich.table import Table
 
     table = Table(title=f"{result.app}  run {result.run_id}  ({result.wall_s:.2f}s)", title_justify="left")
-    for col in ("node", "status", "LLM s", "tool s", "stall s", "tokens", "LLM#", "tool#"):
-        table.add_column(col, justify="left" if col in ("node", "status") else "right")
-    for name, node in result.nodes.items():
-        table.add_row(
-            name,
-            node.status,
-            f"{node.llm_s:.2f}",
-            f"{node.tool_s:.2f}",
-            f"{node.stall_s:.2f}",
-            str(node.usage.total_tokens),
-            str(node.llm_calls),
-            str(node.tool_calls),
-        )
-    nodes = result.nodes.values()
+    index = [result.TIMING_COLUMNS.index(key) for _, key in _SUMMARY_COLUMNS]
+    for title, key in _SUMMARY_COLUMNS:
+        table.add_column(title, justify="left" if key in ("node", "status") else "right")
+    rows, total = result.timing_rows()
+    for row in rows:
+        table.add_row(*(row[i] for i in index))
     table.add_section()
-    table.add_row(
-        "total",
-        result.status,
-        f"{sum(n.llm_s for n in nodes):.2f}",
-        f"{sum(n.tool_s for n in nodes):.2f}",
-        f"{sum(n.stall_s for n in nodes):.2f}",
-        str(result.usage.total_tokens),
-        str(sum(n.llm_calls for n in nodes)),
-        str(sum(n.tool_calls for n in nodes)),
-    )
+    table.add_row(*(total[i] for i in index))
     return table
 
 
