@@ -63,8 +63,10 @@ async def test_request_body_carries_tokencake_metadata_and_priority():
     searcher = bodies[("searcher", 0)]["kv_transfer_params"]["tokencake"]
     assert searcher["agent_type"] == "searcher_type"
     assert searcher["next_stall"] == {"tool": "web_search", "kind": "search", "predicted_s": 4.0}
-    # after the declared call happened, no further stall is predicted
-    assert bodies[("searcher", 1)]["kv_transfer_params"]["tokencake"]["next_stall"] is None
+    # past its declared calls an agent is expected to call its last tool again (tool loops)
+    assert bodies[("searcher", 1)]["kv_transfer_params"]["tokencake"]["next_stall"]["tool"] == "web_search"
+    # an agent that declares no tool call never announces one
+    assert bodies[("note", 0)]["kv_transfer_params"]["tokencake"]["next_stall"] is None
     assert bodies[("planner", 0)]["max_tokens"] == 100
 
 

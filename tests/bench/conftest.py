@@ -196,3 +196,39 @@ def fake_server() -> Iterator[type[FakeServer]]:
         make_backend = staticmethod(lambda server: FakeVLLM())
 
     yield Server
+
+
+def _system(e2e_s: float, computed: float, ext: dict[str, Any] | None) -> dict[str, Any]:
+    from tokencake.bench.metrics import summarize
+
+    return {
+        "apps": [{"status": "ok", "e2e_s": e2e_s}],
+        "client": {"e2e_s": summarize([e2e_s])},
+        "server": {"computed_prompt_tokens": computed},
+        "extension": {"summary": ext} if ext is not None else None,
+    }
+
+
+@pytest.fixture
+def make_round() -> Any:
+    """Builds one round's point dict as run_bench stores it, from one app E2E per system.
+
+    ``make_round(2, baseline=20.0, tokencake=(17.0, {"ready_rate": 0.5}), ideal=15.0)``: a number is a
+    stock system's E2E, a (number, summary) pair adds the extension summary.
+    """
+    from tokencake.bench.runner import compare
+
+    def build(rep: int, label: str = "p", **systems: Any) -> dict[str, Any]:
+        per_system = {}
+        for name, value in systems.items():
+            e2e, ext = value if isinstance(value, tuple) else (value, None)
+            per_system[name.replace("_", "-")] = _system(e2e, 1000.0 * e2e, ext)
+        return {
+            "label": f"{label}#{rep}",
+            "base_label": label,
+            "repeat": rep,
+            "systems": per_system,
+            "comparison": compare(per_system),
+        }
+
+    return build

@@ -114,3 +114,21 @@ def test_preset_choices_match_the_presets(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--preset", "nope", "--dry-run"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_stress_dry_run_has_two_points_and_takes_its_overrides(capsys):
+    argv = ["bench", "--preset", "stress", "--dry-run", "--apps", "1", "--workers", "2", "--fixed-order"]
+    assert main([*argv, "--tool-s", "2", "--systems", "baseline,tokencake-roomy"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["config"]["points"] == ["hetero", "shared"]
+    assert data["config"]["shuffle_systems"] is False
+    assert [s["name"] for s in data["config"]["systems"]] == ["baseline", "tokencake-roomy"]
+    roomy = data["config"]["systems"][1]
+    assert roomy["kv"] == "ideal" and not roomy["stock"] and all(roomy["flags"].values())
+    hetero, shared = data["workloads"]
+    assert len(hetero["arrivals"]) == len(shared["arrivals"]) == 1
+    params = [w["arrivals"][0]["params"] for w in (hetero, shared)]
+    assert [p["workers"] for p in params] == [2, 2] and params[0]["tool_median_s"] == 2.0
+    assert params[0]["shared_prefix_tokens"] == 0 < params[1]["shared_prefix_tokens"]
+    assert main(["bench", "--preset", "stress", "--dry-run", "--workers", "0"]) == 2
+    assert "workers" in capsys.readouterr().err

@@ -226,3 +226,36 @@ def test_client_summary_and_node_breakdown():
     assert s["apps_failed"] == 1 and s["e2e_s"]["mean"] == 15.0
     assert s["calls_failed"] == 1 and s["completion_tokens"] == 2
     assert s["node_breakdown_s"]["m:a"] == {"llm_s": 6.0, "tool_s": 6.0, "queue_s": 0.0}
+
+
+def test_extension_summary_next_turn_share_and_readiness():
+    before = _snapshot(**{"next_turn.prefix_tokens": 1000, "readiness.eligible": 2, "readiness.missed": 2})
+    after = _snapshot(
+        **{
+            "next_turn.prefix_tokens": 5000,
+            "next_turn.prefix_tokens_recomputed": 1000,
+            "readiness.eligible": 12,
+            "readiness.prefetched": 3,
+            "readiness.not_needed": 2,
+            "readiness.loading": 1,
+            "readiness.missed": 6,
+            "prefetch.not_needed": 5,
+        }
+    )
+    s = extension_summary(after, before)
+    # Deltas: prefix 4000 tokens of which 1000 recomputed; 10 eligible stalls, 4 of them missed.
+    assert s["next_turn_recomputed_share"] == pytest.approx(0.25)
+    assert (s["readiness_eligible"], s["readiness_prefetched"], s["readiness_missed"]) == (10, 3, 4)
+    assert (s["readiness_not_needed"], s["readiness_loading"]) == (2, 1)
+    assert s["ready_rate"] == pytest.approx((3 + 2 + 1) / 10)
+    assert s["on_time_rate_excl_not_needed"] == pytest.approx((3 + 1) / (10 - 2))
+    assert s["prefetch_not_needed"] == 5
+    # Counters the connector has not created yet are zero; shares of nothing are None.
+    empty = extension_summary(_snapshot())
+    assert empty["readiness_eligible"] == 0 and empty["prefetch_not_needed"] == 0
+    assert empty["ready_rate"] is None and empty["next_turn_recomputed_share"] is None
+    assert empty["on_time_rate_excl_not_needed"] is None
+    only_not_needed = extension_summary(_snapshot(**{"readiness.eligible": 2, "readiness.not_needed": 2}))
+    assert only_not_needed["ready_rate"] == 1.0 and only_not_needed["on_time_rate_excl_not_needed"] is None
+    foreign = extension_summary({"other": 1})
+    assert foreign["ready_rate"] is None and foreign["readiness_eligible"] is None

@@ -2,12 +2,14 @@
 
 import csv
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
 
 from tokencake.bench import RESULTS_SCHEMA, presets, report
-from tokencake.bench.runner import run_bench
+from tokencake.bench.agent_mix import JOIN_SYSTEM
+from tokencake.bench.runner import aggregate, run_bench, system_order
 
 # FakeServer's events URL refuses connections, so the SDK warns once per run (expected here).
 pytestmark = pytest.mark.filterwarnings("ignore:stall events are not reaching")
@@ -35,6 +37,11 @@ def _run(fake_server, config, tmp_path):
     )
 
 
+def _by_system(servers):
+    """The fake servers by system name (from their log file ``<point>-<system>.log``)."""
+    return {s.kwargs["log_file"].rsplit("/", 1)[1][len("ci-") : -len(".log")]: s for s in servers}
+
+
 #: Extension counters the fake tokencake server adds per chat completion.
 STATS = {"offload.bytes": 4096, "offload.blocks": 2, "prefetch.on_time": 3, "prefetch.late": 1}
 
@@ -54,13 +61,15 @@ def test_full_run_produces_valid_results_and_files(fake_server, fake_vllm, tmp_p
     jsonschema.validate(results, RESULTS_SCHEMA)
     assert results["valid"] is True and results["warnings"] == []
     # One fresh server per system, each stopped; the same device KV except for the ideal.
-    servers = fake_server.instances
-    assert [s.entered and s.exited for s in servers] == [True] * 4
-    blocks = [s.kwargs["num_gpu_blocks"] for s in servers]
-    assert blocks[0] == blocks[1] == blocks[3] == 40 and blocks[2] > 40
-    assert servers[1].kwargs["extension_config"] == {"offload": True, "prefetch": True, "demand_load": True}
-    assert servers[3].kwargs["extension_config"]["prefetch"] is False
-    assert servers[0].kwargs["log_file"].endswith("ci-baseline.log")
+    servers = _by_system(fake_server.instances)
+    assert [s.entered and s.exited for s in servers.values()] == [True] * 4
+    blocks = {name: s.kwargs["num_gpu_blocks"] for name, s in servers.items()}
+    assert blocks == {"baseline": 40, "tokencake": 40, "ideal": blocks["ideal"], "prefetch-off": 40}
+    assert blocks["ideal"] > 40
+    tc_kwargs = servers["tokencake"].kwargs
+    assert tc_kwargs["extension_config"] == {"offload": True, "prefetch": True, "demand_load": True}
+    assert servers["prefetch-off"].kwargs["extension_config"]["prefetch"] is False
+    assert servers["baseline"].kwargs["log_file"].endswith("ci-baseline.log")
 
     point = results["points"][0]
     assert point["equal_work"]["passed"] and point["equal_work"]["calls_compared"] == 3 * 2
@@ -70,7 +79,7 @@ def test_full_run_produces_valid_results_and_files(fake_server, fake_vllm, tmp_p
         assert all(c["completion_tokens"] == 5 for c in s["calls"])  # forced max_tokens + ignore_eos
         assert s["kv"]["series"], "KV usage was sampled"
         assert s["server"]["requests"] == 6
-    sent = servers[0].backend.bodies
+    sent = servers["baseline"].backend.bodies
     assert all(b["ignore_eos"] is True and b["temperature"] == 0.0 for b in sent)
 
     base, tc_, ideal = (
@@ -180,8 +189,12 @@ def test_interleaved_rounds_are_pooled(fake_server, fake_vllm, tmp_path, capsys)
     config = presets.build("ci", presets.Overrides(systems=["baseline", "tokencake"], repeat=2, **TINY))
     results = _run(fake_server, config, tmp_path)
     jsonschema.validate(results, RESULTS_SCHEMA)
-    # Interleaved: baseline, tokencake, baseline, tokencake.
-    assert [s.kwargs["baseline"] for s in fake_server.instances] == [True, False, True, False]
+    # Interleaved: both systems run in round 1 before either runs in round 2, in the recorded order.
+    ran = [not s.kwargs["baseline"] for s in fake_server.instances]
+    orders = [o["order"] for o in results["system_orders"]]
+    assert ran == [name == "tokencake" for order in orders for name in order]
+    assert [sorted(o) for o in orders] == [["baseline", "tokencake"]] * 2
+    assert [p["system_order"] for p in results["points"]] == orders
     assert [p["label"] for p in results["points"]] == ["ci#1", "ci#2"]
     agg = results["aggregate"]["ci"]
     assert agg["repeats"] == 2 and agg["systems"]["baseline"]["e2e_s"]["count"] == 6
@@ -195,3 +208,119 @@ def test_interleaved_rounds_are_pooled(fake_server, fake_vllm, tmp_path, capsys)
 
     report.render(results, Console(width=160))
     assert "2 interleaved rounds pooled" in capsys.readouterr().out
+
+
+def test_system_order_is_a_seeded_shuffle_per_round():
+    names = ["baseline", "tokencake", "ideal", "prefetch-off", "demand-off"]
+    config = presets.build("ci", presets.Overrides(systems=names, repeat=8, seed=3, **TINY))
+    orders = [[s.name for s in system_order(config, rep, "ci")] for rep in range(8)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert orders == [[s.name for s in system_order(config, rep, "ci")] for rep in range(8)]
+    assert len({tuple(o) for o in orders}) > 1 and len({o[0] for o in orders}) > 1
+    other = presets.build("ci", presets.Overrides(systems=names, repeat=8, seed=4, **TINY))
+    assert orders != [[s.name for s in system_order(other, rep, "ci")] for rep in range(8)]
+    fixed = presets.build("ci", presets.Overrides(systems=names, fixed_order=True, **TINY))
+    assert all([s.name for s in system_order(fixed, rep, "ci")] == names for rep in range(8))
+
+
+def test_results_follow_the_configured_order_whatever_the_run_order(fake_server, fake_vllm, tmp_path):
+    fake_server.make_backend = staticmethod(lambda server: fake_vllm())
+    names = ["baseline", "tokencake", "ideal"]
+    config = presets.build("ci", presets.Overrides(systems=names, repeat=3, seed=1, **TINY))
+    results = _run(fake_server, config, tmp_path)
+    started = _started_systems(fake_server.instances)
+    assert started == [n for o in results["system_orders"] for n in o["order"]]
+    assert [o["round"] for o in results["system_orders"]] == [1, 2, 3]
+    assert all(list(p["systems"]) == names for p in results["points"])
+    assert results["config"]["shuffle_systems"] is True and results["config"]["order_seed"] == 1
+
+
+def _started_systems(servers):
+    """System names in the order their servers were created (log file ``<label>-<system>.log``)."""
+    return [s.kwargs["log_file"].rsplit("/", 1)[1].split("-", 1)[1][: -len(".log")] for s in servers]
+
+
+def test_stress_preset_replays_both_points_on_fake_servers(fake_server, fake_vllm, tmp_path):
+    fake_server.make_backend = staticmethod(
+        lambda server: fake_vllm(hit_fraction=0.0 if server.kwargs["baseline"] else 0.5, stats={})
+    )
+    o = presets.Overrides(
+        systems=["baseline", "tokencake"],
+        apps=2,
+        workers=2,
+        turns=2,
+        context_tokens=30,
+        max_tokens=5,
+        tool_s=(0.01, 0.01),
+        rates=[50.0],
+        latency="scaled:0.01",
+    )
+    results = _run(fake_server, presets.build("stress", o), tmp_path)
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    assert results["valid"] is True, results["warnings"]
+    assert [p["label"] for p in results["points"]] == ["hetero@50/s", "shared@50/s"]
+    for point in results["points"]:
+        assert point["equal_work"]["calls_compared"] == 2 * (2 * 2 + 1)  # 2 apps x (2 workers x 2 + join)
+        apps = point["systems"]["baseline"]["apps"]
+        assert all(set(a["nodes"]) == {"worker_0", "worker_1", "join"} for a in apps)
+        assert "agent_mix" in point["workload"]["notes"][0]
+    logs = {Path(s.kwargs["log_file"]).name: s for s in fake_server.instances}
+    assert set(logs) == {f"{p}@50_s-{n}.log" for p in ("hetero", "shared") for n in ("baseline", "tokencake")}
+
+    def worker_systems(log):
+        systems = {b["messages"][0]["content"] for b in logs[log].backend.bodies}
+        assert JOIN_SYSTEM in systems
+        return systems - {JOIN_SYSTEM}
+
+    # Only the shared point's workers (2 apps x 2) open with the common preamble.
+    assert len(worker_systems("shared@50_s-baseline.log")) == 4
+    assert all(p.startswith("Team handbook.") for p in worker_systems("shared@50_s-baseline.log"))
+    assert not any(p.startswith("Team handbook.") for p in worker_systems("hetero@50_s-baseline.log"))
+
+
+def test_compare_reports_captured_fraction_roomy_cost_and_extension_shares(make_round):
+    ext = {"next_turn_recomputed_share": 0.25, "ready_rate": 0.5, "on_time_rate_excl_not_needed": 0.4}
+    comp = make_round(1, baseline=20.0, tokencake=(17.0, ext), ideal=16.0, tokencake_roomy=16.32)[
+        "comparison"
+    ]
+    assert comp["captured_fraction"] == pytest.approx(0.75)
+    assert comp["tokencake-roomy/ideal"]["mean"] == pytest.approx(1.02)
+    assert comp["tokencake-roomy/baseline"]["mean"] == pytest.approx(16.32 / 20)
+    assert comp["next_turn_recomputed_share"] == 0.25 and comp["ready_rate"] == 0.5
+    assert comp["on_time_rate_excl_not_needed"] == 0.4
+    # Nothing to capture when the ideal was not faster than the baseline.
+    assert make_round(1, baseline=16.0, tokencake=17.0, ideal=16.0)["comparison"]["captured_fraction"] is None
+    assert "captured_fraction" not in make_round(1, baseline=16.0, tokencake=17.0)["comparison"]
+
+
+def test_aggregate_gives_every_headline_per_round_with_a_t_interval(make_round):
+    ext = [
+        {"next_turn_recomputed_share": share, "ready_rate": 0.5, "prefetch_on_time_rate": None}
+        for share in (0.2, 0.3, 0.4)
+    ]
+    rounds = [
+        make_round(i + 1, baseline=20.0, tokencake=(tc_, ext[i]), ideal=15.0, tokencake_roomy=roomy)
+        for i, (tc_, roomy) in enumerate([(16.0, 15.3), (18.0, 15.0), (17.0, 15.15)])
+    ]
+    agg = aggregate(rounds)["p"]["rounds"]
+    # By hand, t(2) = 4.303 and half width = 4.303 * sd / sqrt(3):
+    # tokencake/baseline 0.80, 0.90, 0.85 -> mean 0.85, sd 0.05, half 0.12422
+    tb = agg["tokencake/baseline"]
+    assert tb["per_round"] == pytest.approx([0.8, 0.9, 0.85])
+    assert tb["mean"] == pytest.approx(0.85) and tb["half_width"] == pytest.approx(0.12422, abs=1e-5)
+    assert tb["ci95"] == pytest.approx([0.85 - 0.12422, 0.85 + 0.12422], abs=1e-5)
+    # captured (20 - t) / (20 - 15): 0.8, 0.4, 0.6 -> mean 0.6, sd 0.2, half 0.49687
+    cf = agg["captured_fraction"]
+    assert cf["per_round"] == pytest.approx([0.8, 0.4, 0.6])
+    assert cf["mean"] == pytest.approx(0.6) and cf["half_width"] == pytest.approx(0.49687, abs=1e-5)
+    # tokencake/ideal 16/15, 18/15, 17/15 -> sd 1/15, half 0.16562
+    assert agg["tokencake/ideal"]["mean"] == pytest.approx(17 / 15)
+    assert agg["tokencake/ideal"]["half_width"] == pytest.approx(0.16562, abs=1e-5)
+    # roomy/ideal 1.02, 1.00, 1.01 -> sd 0.01, half 0.02484
+    assert agg["tokencake-roomy/ideal"]["mean"] == pytest.approx(1.01)
+    assert agg["tokencake-roomy/ideal"]["half_width"] == pytest.approx(0.02484, abs=1e-5)
+    share = agg["next_turn_recomputed_share"]
+    assert share["mean"] == pytest.approx(0.3) and share["half_width"] == pytest.approx(0.24843, abs=1e-5)
+    assert agg["ready_rate"]["ci95"] == pytest.approx([0.5, 0.5])
+    assert "prefetch_on_time_rate" not in agg  # measured in no round
+    assert agg["baseline/ideal"]["n"] == 3

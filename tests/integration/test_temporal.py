@@ -289,3 +289,67 @@ def test_host_pool_too_small_falls_back(servers: tuple[Server, Server], tiny_poo
     assert _counter(stats, "offload.blocks") == 0
     # Safe fallback: A's prefix was recomputed (as stock vLLM would), no wrong KV served.
     assert delta(res, "next_turn.prefix_tokens_recomputed") > 0
+
+
+def test_agents_sharing_a_long_system_prompt(servers: tuple[Server, Server]) -> None:
+    """Three agents share a ~700-word system prompt; each stalls while the others and plain traffic
+    churn the 40-block cache. Whatever mix of device hits, early saves, offloads, prefetches and
+    demand loads serves them, every reply equals the same turns replayed on stock vLLM."""
+    ext, base = servers
+    run_id = f"shared-{uuid.uuid4().hex[:6]}"
+    system = "You are one of three analysts. Shared brief: " + _filler(run_id, 700)
+    names = ("A", "B", "C")
+    convs = {
+        n: [{"role": "system", "content": system}, {"role": "user", "content": f"Analyst {n}: one line."}]
+        for n in names
+    }
+
+    def meta(n: str, turn: int) -> dict[str, Any]:
+        return {
+            "session_id": f"{run_id}:{n}",
+            "run_id": run_id,
+            "node": n,
+            "agent_type": "analyst",
+            "turn": turn,
+            "next_stall": {"tool": "search", "predicted_s": 2.0} if turn == 0 else None,
+        }
+
+    replies: dict[str, list[str]] = {n: [] for n in names}
+    stats_before = ext.stats()
+    for n in names:  # turn 0 of each agent, then its tool call begins
+        replies[n].append(chat(ext, convs[n], meta(n, 0))["text"])
+        event(
+            ext,
+            "stall_begin",
+            stall_id=f"{run_id}-{n}",
+            session_id=f"{run_id}:{n}",
+            run_id=run_id,
+            node=n,
+            tool="search",
+            agent_type="analyst",
+            predicted_s=2.0,
+        )
+    other_traffic(ext, run_id, n=4)
+    for n in names:
+        event(
+            ext,
+            "stall_end",
+            stall_id=f"{run_id}-{n}",
+            session_id=f"{run_id}:{n}",
+            run_id=run_id,
+            node=n,
+            tool="search",
+            duration_s=2.0,
+        )
+        convs[n] += [{"role": "assistant", "content": replies[n][0]}, {"role": "user", "content": "Shorter."}]
+        replies[n].append(chat(ext, convs[n], meta(n, 1))["text"])
+    stats = ext.stats()
+    for n in names:  # the same two turns of each agent alone on stock vLLM
+        assert chat(base, convs[n][:2])["text"] == replies[n][0], n
+        assert chat(base, convs[n])["text"] == replies[n][1], n
+    moved = sum(
+        _counter(stats, k) - _counter(stats_before, k) for k in ("offload.blocks", "demand_load.blocks")
+    )
+    assert moved > 0, stats["counters"]
+    assert _counter(stats, "offload.hash_mismatch") == _counter(stats_before, "offload.hash_mismatch")
+    assert not {k: v for k, v in stats["counters"].items() if k.startswith("errors.")}

@@ -26,8 +26,10 @@ from tokencake.serving.server import Server, ServerError
 
 @pytest.fixture
 def cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only machine with native bf16 (no dtype override)."""
     monkeypatch.setattr(srvmod, "cuda_available", lambda: False)
     monkeypatch.setattr(srvmod, "vllm_installed", lambda: True)
+    monkeypatch.setattr(srvmod, "cpu_has_bf16", lambda cpuinfo=None: True)
 
 
 def _resolved(server: Server, source: str = "/models/m", name: str = "m") -> Server:
@@ -105,6 +107,24 @@ def test_connector_options(cpu: None) -> None:
     assert "api_key" not in extra
     assert _flag(s.vllm_args(), "--scheduler-cls") == "pkg.Sched"
     assert s.events_url == "http://127.0.0.1:9300"
+
+
+def test_cpu_without_native_bf16_serves_float32(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "--dtype" not in _resolved(Server(port=1)).vllm_args()
+    monkeypatch.setattr(srvmod, "cpu_has_bf16", lambda cpuinfo=None: False)
+    args = _resolved(Server(port=1)).vllm_args()
+    assert _flag(args, "--dtype") == "float32"
+    assert int(_flag(args, "--kv-cache-memory-bytes")) == int(2 * srvmod.DEFAULT_CPU_KV_GIB * srvmod.GIB)
+    # An explicit --dtype wins, and appears once.
+    args = _resolved(Server(port=1, extra_args=["--dtype", "bfloat16"])).vllm_args()
+    assert args.count("--dtype") == 1 and _flag(args, "--dtype") == "bfloat16"
+
+
+def test_cpu_bf16_detection_reads_cpu_flags() -> None:
+    assert srvmod.cpu_has_bf16("processor : 0\nflags : fpu sse avx2 avx512f avx512_bf16\n")
+    assert srvmod.cpu_has_bf16("flags\t\t: fpu amx_bf16 amx_tile\n")
+    assert not srvmod.cpu_has_bf16("flags : fpu sse avx2 fma\n")
+    assert srvmod.cpu_has_bf16("no flags line at all")  # unknown: keep vLLM's default dtype
 
 
 def test_gpu_default_leaves_kv_size_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -183,6 +183,10 @@ class Context:
             tool = self._state.app.tools[calls[self._next_call]]
         elif len(offered) == 1:
             tool = offered[0]
+        elif calls and self._next_call > 0:
+            # Past its declared sequence an agent that calls tools in a loop calls the last one
+            # again: a hint only (the server saves the KV early; a wrong guess costs one copy).
+            tool = self._state.app.tools[calls[-1]]
         if tool is None:
             return None
         return NextStall(tool=tool.name, kind=tool.kind, predicted_s=tool.predicted_s)

@@ -1,9 +1,11 @@
 """``tokencake bench``: replay one seeded agent workload against stock vLLM, TokenCake and the ideal.
 
 Modules, read top-down: :mod:`.workload` (what arrives when), :mod:`.synthetic` (the multi-turn agent
-app), :mod:`.apps` (arrival → SDK app), :mod:`.systems` (what is compared), :mod:`.calls` (per-call
-records under the SDK), :mod:`.metrics` (the numbers), :mod:`.runner` (replays), :mod:`.report` (files
-and tables), :mod:`.presets` (ci / headroom / paper), :mod:`.schema` (results.json).
+app), :mod:`.agent_mix` (the fan-in app of the stress preset), :mod:`.apps` (arrival → SDK app),
+:mod:`.systems` (what is compared), :mod:`.calls` (per-call records under the SDK), :mod:`.metrics` (the
+numbers), :mod:`.intervals` (confidence intervals over rounds), :mod:`.runner` (replays),
+:mod:`.report` (files and tables), :mod:`.presets` (ci / headroom / stress / paper), :mod:`.schema`
+(results.json).
 """
 
 from tokencake.bench.metrics import equal_work, percentile, summarize

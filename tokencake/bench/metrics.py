@@ -299,7 +299,9 @@ def extension_summary(
     The document is the connector's ``Stats.snapshot()``: ``counters`` (``offload.bytes``,
     ``prefetch.on_time``, ``demand_load.requests``, ...) and ``histograms`` (``offload.seconds`` with
     ``sum``/``count``). Copy jobs are of three kinds: ``offload`` (device → host), ``prefetch`` and ``load``
-    (demand load), both host → device. A field the connector does not report stays None.
+    (demand load), both host → device. ``next_turn.*`` say how each next turn's repeated prefix was
+    served; ``readiness.*`` judge, at the next request, the stalls long enough for a prefetch. A counter
+    the connector has not created yet counts as 0; a field of a document without ``counters`` stays None.
     """
     if not after:
         return None
@@ -313,6 +315,10 @@ def extension_summary(
     on_time, late, wasted = c("prefetch.on_time"), c("prefetch.late"), c("prefetch.wasted")
     superseded = c("prefetch.superseded_by_request")
     judged = sum(x or 0.0 for x in (on_time, late, wasted, superseded))
+    prefix, recomputed = c("next_turn.prefix_tokens"), c("next_turn.prefix_tokens_recomputed")
+    eligible, prefetched = c("readiness.eligible"), c("readiness.prefetched")
+    not_needed, loading = c("readiness.not_needed"), c("readiness.loading")
+    ready = None if eligible is None else (prefetched or 0.0) + (not_needed or 0.0) + (loading or 0.0)
     return {
         "offload_bytes": c("offload.bytes"),
         "offloaded_blocks": c("offload.blocks"),
@@ -336,7 +342,23 @@ def extension_summary(
         "next_turn_prefix_tokens": c("next_turn.prefix_tokens"),
         "next_turn_prefix_tokens_device": c("next_turn.prefix_tokens_device"),
         "next_turn_prefix_tokens_host": c("next_turn.prefix_tokens_host"),
-        "next_turn_prefix_tokens_recomputed": c("next_turn.prefix_tokens_recomputed"),
+        "next_turn_prefix_tokens_recomputed": recomputed,
+        # Of the prefix each agent's next turn repeated, the share the engine had to compute again.
+        "next_turn_recomputed_share": _share(recomputed, prefix),
+        # Stalls longer than the transfer lead, judged at the session's next request: was its KV on
+        # device (prefetched back, never evicted, or a prefetch copy in flight) or missed?
+        "readiness_eligible": eligible,
+        "readiness_prefetched": prefetched,
+        "readiness_not_needed": not_needed,
+        "readiness_loading": loading,
+        "readiness_missed": c("readiness.missed"),
+        "ready_rate": _share(ready, eligible),
+        # The same without the stalls that needed no prefetch: how often the prefetch itself was in time.
+        "on_time_rate_excl_not_needed": _share(
+            None if ready is None else ready - (not_needed or 0.0),
+            None if eligible is None else eligible - (not_needed or 0.0),
+        ),
+        "prefetch_not_needed": c("prefetch.not_needed"),
         "stall_decisions": {
             k[len("counters.stalls.decision.") :]: v
             for k, v in d.items()
@@ -349,6 +371,13 @@ def extension_summary(
             k[len("counters.errors.") :]: v for k, v in d.items() if k.startswith("counters.errors.") and v
         },
     }
+
+
+def _share(part: float | None, whole: float | None) -> float | None:
+    """part / whole, or None when there is no whole to take a share of."""
+    if part is None or whole is None or whole <= 0:
+        return None
+    return part / whole
 
 
 def stats_delta(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> dict[str, float]:

@@ -1,10 +1,16 @@
-"""Named benchmark configurations: ``ci``, ``headroom`` and ``paper``.
+"""Named benchmark configurations: ``ci``, ``headroom``, ``stress`` and ``paper``.
 
 * ``ci`` — a few minutes on 2 CPU cores including three server starts. Six synthetic multi-turn agents
   (~1,000-token private contexts, 3 turns, 3.5–4.5 s tools, 24 output tokens per turn) on a 40-block
   device KV cache: enough pressure that stock vLLM evicts an idle agent's prefix during its tool call.
 * ``headroom`` — the research digest's headroom experiment: six agents, ~1,000-token contexts, 6 turns,
   3 s tools, 40 device blocks vs a never-evicting ideal. The larger run (about 3 minutes on 2 cores).
+* ``stress`` — deliberately unlike ``ci``/``headroom`` (which the KV policy was calibrated on): the
+  fan-in ``agent_mix`` app (:mod:`tokencake.bench.agent_mix`) with heterogeneous contexts and turn
+  counts, heavy-tailed tool times, a tool whose hint is wrong by 2x, staggered worker starts and
+  Poisson app arrivals. Two points: ``hetero`` (private contexts only) and ``shared`` (every worker's
+  prompt opens with the same long preamble). Sized for at most ~2.5 minutes per system and point on
+  2 cores (41 LLM calls of ~1-2k-token prompts per point; an estimate, see docs/benchmarks.md).
 * ``paper`` — the paper's setting: Code-Writer + Deep-Research from the catalog with published tool
   times, Poisson arrivals swept over 0.05 … 1.0 apps/s. Each point replays ``apps`` arrivals on every
   system; on 2 CPU cores with SmolLM2-135M a 10-app point takes roughly 5–10 minutes per system, the
@@ -19,11 +25,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tokencake.bench import agent_mix
 from tokencake.bench.runner import BenchConfig, Point
 from tokencake.bench.synthetic import DESCRIPTION as SYNTHETIC_DESCRIPTION
 from tokencake.bench.synthetic import MultiTurnSpec
 from tokencake.bench.systems import ServerConfig, resolve_systems
-from tokencake.bench.workload import SYNTHETIC_APP, LLMSettings, make_workload
+from tokencake.bench.workload import AGENT_MIX_APP, SYNTHETIC_APP, LLMSettings, Workload, make_workload
 
 CPU_BLOCK_TOKENS = 128
 
@@ -49,7 +56,11 @@ class Overrides:
     host_pool_blocks: int | None = None
     kv_interval_s: float | None = None
     repeat: int = 1
-    #: App name -> weight; replaces the preset's app mix (catalog names or ``multi_turn``).
+    #: Keep the configured system order in every round (default: a seeded shuffle per round).
+    fixed_order: bool = False
+    #: Worker agents per app (``stress``).
+    workers: int | None = None
+    #: App name -> weight; replaces the preset's app mix (catalog names or a synthetic app).
     mix: dict[str, float] | None = None
     extra_server_args: list[str] = field(default_factory=list)
 
@@ -129,6 +140,8 @@ def _multi_turn(
         kv_interval_s=_pick(o.kv_interval_s, 0.5),
         app_timeout_s=900.0,
         repeat=o.repeat,
+        shuffle_systems=not o.fixed_order,
+        order_seed=o.seed,
         description=(
             f"{purpose}: {num_apps} "
             + (
@@ -177,6 +190,130 @@ def headroom(o: Overrides) -> BenchConfig:
     )
 
 
+#: The stress preset's points: (label, preamble share of the base context, private share of the base).
+#: In ``shared`` most of a worker's prompt (1,000 of ~1,600 tokens) is the same in every worker; the
+#: private part stays large enough that the point still overfills the 40-block device KV.
+STRESS_POINTS: tuple[tuple[str, float, float], ...] = (("hetero", 0.0, 1.0), ("shared", 5 / 6, 1 / 2))
+STRESS_BASE_TOKENS = 1200
+#: Apps per second of the stress preset's Poisson arrivals: a few seconds apart, so apps overlap.
+STRESS_RATE = 0.25
+_WORDS_TO_TOKENS = 1.25  # generous: the seeded text measures ~1.13 SmolLM2 tokens per word
+
+
+def agent_mix_blocks(specs: list[agent_mix.AgentMixSpec]) -> tuple[int, int]:
+    """(device blocks that never evict, host-pool blocks) for one point's ``agent_mix`` arrivals.
+
+    Like :func:`_blocks_for_contexts`: every session's final context at once plus room for the largest
+    one again and 8 spare blocks. The preamble is identical in every worker of every app, so the device
+    holds it once (each worker's own part then starts in a fresh block); the host pool may hold a copy
+    per worker, so its size counts the preamble per worker and doubles the total.
+    """
+
+    def blocks(tokens: float) -> int:
+        return math.ceil(tokens / CPU_BLOCK_TOKENS)
+
+    preamble = max((s.shared_prefix_tokens for s in specs), default=0) * _WORDS_TO_TOKENS
+    sessions: list[int] = []
+    host = 0
+    for spec in specs:
+        per_turn = spec.max_tokens + spec.tool_result_tokens + 40  # reply + tool result + question/template
+        for worker in agent_mix.plan(spec):
+            own = worker.private_tokens * _WORDS_TO_TOKENS + 64 + worker.turns * per_turn
+            sessions.append(blocks(own) + 1)
+            host += blocks(own + preamble)
+        join = spec.workers * (spec.max_tokens * _WORDS_TO_TOKENS + 12) + 64 + spec.max_tokens
+        sessions.append(blocks(join) + 1)
+        host += blocks(join)
+    ideal = blocks(preamble) + sum(sessions) + max(sessions, default=0) + 8
+    return ideal, 2 * host
+
+
+def stress(o: Overrides) -> BenchConfig:
+    """The ``stress`` preset (see the module docstring and docs/benchmarks.md)."""
+    base = _pick(o.context_tokens, STRESS_BASE_TOKENS)
+    median = sum(o.tool_s) / 2 if o.tool_s else 3.0
+    num_apps = _pick(o.apps, 3)
+    rates = o.rates or [STRESS_RATE]
+    arrival = _pick(o.arrival, "poisson")
+    max_tokens = _pick(o.max_tokens, 24)
+    points: list[Point] = []
+    for label, shared, private in STRESS_POINTS:
+        params = {
+            "workers": _pick(o.workers, 3),
+            "turns": [o.turns, o.turns] if o.turns else [3, 5],
+            "context_tokens": max(2, round(base * private)),
+            "shared_prefix_tokens": round(base * shared),
+            "max_tokens": max_tokens,
+            "tool_median_s": median,
+        }
+        for rate in rates:
+            wl = make_workload(
+                name=f"stress-{label}",
+                mix=o.mix or {AGENT_MIX_APP: 1.0},
+                num_apps=num_apps,
+                arrival=arrival,
+                rate=rate,
+                concurrency=o.concurrency,
+                latency=_pick(o.latency, "paper"),
+                seed=o.seed,
+                llm=LLMSettings(max_tokens=max_tokens),
+                app_params={AGENT_MIX_APP: params},
+                notes=(agent_mix.DESCRIPTION,),
+            )
+            points.append(Point(label if o.rates is None else f"{label}@{rate:g}/s", wl))
+    device = _pick(o.device_blocks, 40)
+    sizes = [_agent_mix_sizes(p.workload) for p in points]
+    # A mix with catalog apps cannot be sized here: the ideal then gets the server's default KV size.
+    known = all(size is not None for size in sizes)
+    ideal = max(size[0] for size in sizes if size) if known else None
+    host = max(size[1] for size in sizes if size) if known else 512
+    server = ServerConfig(
+        model=o.model,
+        device_blocks=device,
+        ideal_blocks=_pick(o.ideal_blocks, None if ideal is None else max(2 * device, ideal)),
+        host_pool_blocks=_pick(o.host_pool_blocks, host),
+        extra_args=tuple(o.extra_server_args),
+    )
+    first = points[0].workload
+    arrivals = (
+        f"{first.concurrency} at a time"
+        if first.arrival == "concurrent"
+        else f"{first.arrival} arrivals at {', '.join(f'{r:g}' for r in rates)}/s"
+    )
+    _, shared_share, private_share = STRESS_POINTS[1]
+    return BenchConfig(
+        preset="stress",
+        points=points,
+        systems=resolve_systems(o.systems),
+        server=server,
+        kv_interval_s=_pick(o.kv_interval_s, 0.5),
+        app_timeout_s=900.0,
+        repeat=o.repeat,
+        shuffle_systems=not o.fixed_order,
+        order_seed=o.seed,
+        description=(
+            f"stress: {num_apps} "
+            + (
+                f"fan-in app{'s' if num_apps != 1 else ''} of {_pick(o.workers, 3)} workers + join"
+                if o.mix is None
+                else "apps of " + ", ".join(f"{k}×{v:g}" for k, v in o.mix.items())
+            )
+            + f", {arrivals}; private contexts 0.5-1.5 × {base} tokens (shared: "
+            f"{round(base * shared_share)}-token preamble + 0.5-1.5 × {round(base * private_share)}), "
+            + (f"{o.turns} turns" if o.turns else "3-5 turns")
+            + f", lognormal tools (median {median:g} s, sigma 0.6; one hint 2× low), {max_tokens} output "
+            f"tokens per call, {server.device_blocks} device KV blocks (ideal: {server.ideal_blocks})"
+        ),
+    )
+
+
+def _agent_mix_sizes(workload: Workload) -> tuple[int, int] | None:
+    """:func:`agent_mix_blocks` of a workload made only of ``agent_mix`` apps, else None."""
+    if any(a.app != AGENT_MIX_APP for a in workload.arrivals):
+        return None
+    return agent_mix_blocks([agent_mix.AgentMixSpec.from_params(a.params) for a in workload.arrivals])
+
+
 PAPER_RATES = (0.05, 0.1, 0.2, 0.5, 1.0)
 PAPER_APPS = ("code-writer", "deep-research")
 
@@ -212,6 +349,8 @@ def paper(o: Overrides) -> BenchConfig:
         kv_interval_s=_pick(o.kv_interval_s, 1.0),
         app_timeout_s=3600.0,
         repeat=o.repeat,
+        shuffle_systems=not o.fixed_order,
+        order_seed=o.seed,
         description=(
             f"paper: Code-Writer + Deep-Research (catalog), {num_apps} apps per point, "
             f"{_pick(o.latency, 'paper')} tool times, Poisson arrivals at "
@@ -221,7 +360,7 @@ def paper(o: Overrides) -> BenchConfig:
     )
 
 
-PRESETS = {"ci": ci, "headroom": headroom, "paper": paper}
+PRESETS = {"ci": ci, "headroom": headroom, "stress": stress, "paper": paper}
 
 
 def build(name: str, overrides: Overrides | None = None) -> BenchConfig:

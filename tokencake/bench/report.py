@@ -72,7 +72,13 @@ def system_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "prefetch_late": ext.get("prefetch_late"),
                     "prefetch_wasted": ext.get("prefetch_wasted"),
                     "prefetch_on_time_rate": ext.get("prefetch_on_time_rate"),
+                    "prefetch_not_needed": ext.get("prefetch_not_needed"),
                     "demand_loads": ext.get("demand_loads"),
+                    "next_turn_recomputed_share": ext.get("next_turn_recomputed_share"),
+                    "readiness_eligible": ext.get("readiness_eligible"),
+                    "readiness_missed": ext.get("readiness_missed"),
+                    "ready_rate": ext.get("ready_rate"),
+                    "on_time_rate_excl_not_needed": ext.get("on_time_rate_excl_not_needed"),
                     "replay_s": s.get("replay_s"),
                     "server_start_s": s.get("server_start_s"),
                     "equal_work_passed": point["equal_work"]["passed"],
@@ -146,7 +152,15 @@ _TABLE_ROWS: tuple[tuple[str, tuple[str, ...], str, float], ...] = (
     ("prefetch wasted", ("extension", "summary", "prefetch_wasted"), ".0f", 1.0),
     ("prefetch on-time rate", ("extension", "summary", "prefetch_on_time_rate"), ".0%", 1.0),
     ("prefetch superseded", ("extension", "summary", "prefetch_superseded"), ".0f", 1.0),
+    ("prefetch not needed", ("extension", "summary", "prefetch_not_needed"), ".0f", 1.0),
     ("demand loads", ("extension", "summary", "demand_loads"), ".0f", 1.0),
+    ("readiness: eligible stalls", ("extension", "summary", "readiness_eligible"), ".0f", 1.0),
+    ("readiness: prefetched", ("extension", "summary", "readiness_prefetched"), ".0f", 1.0),
+    ("readiness: not needed", ("extension", "summary", "readiness_not_needed"), ".0f", 1.0),
+    ("readiness: loading", ("extension", "summary", "readiness_loading"), ".0f", 1.0),
+    ("readiness: missed", ("extension", "summary", "readiness_missed"), ".0f", 1.0),
+    ("ready rate", ("extension", "summary", "ready_rate"), ".0%", 1.0),
+    ("on-time rate excl. not needed", ("extension", "summary", "on_time_rate_excl_not_needed"), ".0%", 1.0),
     ("next-turn prefix: device", ("extension", "summary", "next_turn_prefix_tokens_device"), ",.0f", 1.0),
     ("next-turn prefix: host", ("extension", "summary", "next_turn_prefix_tokens_host"), ",.0f", 1.0),
     (
@@ -155,8 +169,59 @@ _TABLE_ROWS: tuple[tuple[str, tuple[str, ...], str, float], ...] = (
         ",.0f",
         1.0,
     ),
+    ("next-turn recomputed share", ("extension", "summary", "next_turn_recomputed_share"), ".0%", 1.0),
     ("failed apps", ("client", "apps_failed"), ".0f", 1.0),
 )
+
+#: Per-round headlines of ``aggregate[point]["rounds"]``: key -> (label, format).
+ROUND_HEADLINES: dict[str, tuple[str, str]] = {
+    "tokencake/baseline": ("E2E mean tokencake/baseline", ".3f"),
+    "tokencake/ideal": ("E2E mean tokencake/ideal", ".3f"),
+    "baseline/ideal": ("E2E mean baseline/ideal", ".3f"),
+    "tokencake-roomy/ideal": ("E2E mean tokencake-roomy/ideal (no pressure; target <= 1.02)", ".3f"),
+    "captured_fraction": ("captured fraction (baseline - tokencake) / (baseline - ideal)", ".2f"),
+    "prefetch_on_time_rate": ("prefetch on-time rate", ".2f"),
+    "next_turn_recomputed_share": ("next-turn recomputed share", ".2f"),
+    "ready_rate": ("ready rate", ".2f"),
+    "on_time_rate_excl_not_needed": ("on-time rate excl. not needed", ".2f"),
+}
+
+
+def interval_cells(entry: Mapping[str, Any], spec: str) -> tuple[str, str, str]:
+    """(per-round values, mean, 95 % CI) of one :func:`~tokencake.bench.intervals.mean_ci` entry as text."""
+    per_round = ", ".join(_fmt(v, spec) for v in entry.get("per_round", []))
+    ci = entry.get("ci95")
+    interval = f"[{_fmt(ci[0], spec)}, {_fmt(ci[1], spec)}]" if ci else "— (needs 2 rounds)"
+    return per_round, _fmt(entry.get("mean"), spec), interval
+
+
+def _point_headlines(comp: Mapping[str, Any]) -> list[str]:
+    """Captured fraction, the no-pressure cost and the extension's next-turn/readiness shares of a point."""
+    lines = []
+    if comp.get("captured_fraction") is not None:
+        lines.append(
+            "captured fraction of the ideal's gain (baseline - tokencake) / (baseline - ideal), mean E2E: "
+            + _fmt(comp["captured_fraction"], ".2f")
+        )
+    roomy = (comp.get("tokencake-roomy/ideal") or {}).get("mean")
+    if roomy is not None:
+        verdict = "within" if roomy <= 1.02 else "ABOVE"
+        lines.append(
+            f"E2E tokencake-roomy/ideal (extension cost without pressure): mean {roomy:.3f} "
+            f"({verdict} the 1.02 target)"
+        )
+    shares = [
+        f"{label} {_fmt(comp.get(key), '.0%')}"
+        for key, label in (
+            ("next_turn_recomputed_share", "next-turn recomputed share"),
+            ("ready_rate", "ready rate"),
+            ("on_time_rate_excl_not_needed", "on-time excl. not needed"),
+        )
+        if comp.get(key) is not None
+    ]
+    if shares:
+        lines.append("tokencake: " + " · ".join(shares))
+    return lines
 
 
 def render(results: Mapping[str, Any], console: Console | None = None) -> None:
@@ -191,6 +256,7 @@ def render(results: Mapping[str, Any], console: Console | None = None) -> None:
         for key, r in comp.items():
             if key.endswith("/baseline") and key not in ("tokencake/baseline",) and isinstance(r, Mapping):
                 lines.append(f"E2E {key}: mean {_fmt(r.get('mean'), '.3f')}")
+        lines += _point_headlines(comp)
         if "recomputed_tokens_avoided" in comp:
             avoid = comp.get("avoidable_recompute") or {}
             frac = avoid.get("fraction_avoided")
@@ -233,9 +299,20 @@ def render(results: Mapping[str, Any], console: Console | None = None) -> None:
                 lines.append(
                     f"  E2E {key}: mean {_fmt(comp[key]['mean'], '.3f')}  p95 {_fmt(comp[key]['p95'], '.3f')}"
                 )
-        per_round = [r for r in agg.get("tokencake/baseline_mean_per_round", []) if r is not None]
-        if per_round:
-            lines.append("  tokencake/baseline mean per round: " + ", ".join(f"{r:.3f}" for r in per_round))
+        order = ", ".join(
+            f"#{o['round']} " + ">".join(o["order"])
+            for o in results.get("system_orders", [])
+            if o.get("point") == base
+        )
+        if order:
+            lines.append(f"  system order per round: {order}")
+        rounds = agg.get("rounds") or {}
+        if rounds:
+            lines.append("  per round → mean [95 % CI, Student t over rounds]:")
+        for key, (label, spec) in ROUND_HEADLINES.items():
+            if key in rounds:
+                per_round, mean, interval = interval_cells(rounds[key], spec)
+                lines.append(f"  {label}: {per_round} → {mean} {interval}")
         console.print("\n".join(lines))
     for warning in results.get("warnings", []):
         console.print(f"[yellow]warning:[/] {warning}")
@@ -279,6 +356,8 @@ def markdown(results: Mapping[str, Any]) -> str:
             out.append(f"| {label} | " + " | ".join(cells) + " |")
         comp, ew = point["comparison"], point["equal_work"]
         out.append("")
+        for line in _point_headlines(comp):
+            out.append(line[0].upper() + line[1:] + ".")
         if "recomputed_tokens_avoided" in comp:
             frac = (comp.get("avoidable_recompute") or {}).get("fraction_avoided")
             out.append(
@@ -290,6 +369,23 @@ def markdown(results: Mapping[str, Any]) -> str:
             f"Equal work: {'passed' if ew['passed'] else '**FAILED**'} "
             f"({ew['calls_compared']} calls compared)."
         )
+        out.append("")
+    for base, agg in (results.get("aggregate") or {}).items():
+        rounds = agg.get("rounds") or {}
+        if not rounds:
+            continue
+        out += [
+            f"## {base}: {agg['repeats']} rounds",
+            "",
+            "Mean of the per-round values with a 95 % confidence interval (Student t, n − 1 degrees of "
+            "freedom).",
+            "",
+            "| headline | per round | mean | 95 % CI |",
+            "|---|---|---|---|",
+        ]
+        for key, (label, spec) in ROUND_HEADLINES.items():
+            if key in rounds:
+                out.append(f"| {label} | " + " | ".join(interval_cells(rounds[key], spec)) + " |")
         out.append("")
     for warning in results.get("warnings", []):
         out.append(f"> warning: {warning}")

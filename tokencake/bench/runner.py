@@ -1,9 +1,10 @@
 """Replay one workload against one system, and a whole benchmark against all systems.
 
-For each workload point and each system, one after another: start a fresh server, snapshot its
-``/metrics`` and extension stats, replay the arrivals through the SDK (sampling KV usage in the
-background), snapshot again, stop the server. The collected raw data goes into one results dict that
-:mod:`tokencake.bench.report` turns into files; nothing here formats output.
+For each workload point and each system, one after another (in a seeded random order per round,
+:func:`system_order`): start a fresh server, snapshot its ``/metrics`` and extension stats, replay the
+arrivals through the SDK (sampling KV usage in the background), snapshot again, stop the server. The
+collected raw data goes into one results dict that :mod:`tokencake.bench.report` turns into files;
+nothing here formats output.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import datetime as _dt
 import importlib.metadata
 import os
 import platform
+import random
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -24,6 +26,7 @@ import httpx
 
 from tokencake.bench import apps as _apps
 from tokencake.bench.calls import CallRecorder
+from tokencake.bench.intervals import mean_ci
 from tokencake.bench.metrics import (
     KVSampler,
     client_summary,
@@ -61,6 +64,12 @@ class BenchConfig:
     llm_timeout_s: float = 600.0
     #: Interleaved repetitions: every system runs every point once per round, round after round.
     repeat: int = 1
+    #: Run the systems of each round in a seeded random order (:func:`system_order`), so that drift
+    #: of the machine over a long run (thermal, page cache, other load) does not always favour the
+    #: same system; False keeps the configured order.
+    shuffle_systems: bool = True
+    #: Seed of the per-round system order (presets use the workload seed).
+    order_seed: int = 0
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -74,6 +83,8 @@ class BenchConfig:
             "app_timeout_s": self.app_timeout_s,
             "llm_timeout_s": self.llm_timeout_s,
             "repeat": self.repeat,
+            "shuffle_systems": self.shuffle_systems,
+            "order_seed": self.order_seed,
             "points": [p.label for p in self.points],
             **self.extra,
         }
@@ -281,7 +292,7 @@ def compare(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         return s["server"]["computed_prompt_tokens"] if s else None
 
     out: dict[str, Any] = {}
-    for a, b in (("tokencake", "baseline"), ("tokencake", "ideal"), ("baseline", "ideal")):
+    for a, b in HEADLINE_PAIRS:
         if a in systems and b in systems:
             out[f"{a}/{b}"] = {
                 stat: ratio(e2e(a, stat), e2e(b, stat)) for stat in ("mean", "p50", "p95", "p99")
@@ -291,6 +302,10 @@ def compare(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             out[f"{name}/baseline"] = {
                 stat: ratio(e2e(name, stat), e2e("baseline", stat)) for stat in ("mean", "p95")
             }
+    if all(n in systems for n in ("baseline", "tokencake", "ideal")):
+        out["captured_fraction"] = captured_fraction(
+            e2e("baseline", "mean"), e2e("tokencake", "mean"), e2e("ideal", "mean")
+        )
     base, tc_, ideal = computed("baseline"), computed("tokencake"), computed("ideal")
     if base is not None and tc_ is not None:
         out["recomputed_tokens_avoided"] = base - tc_
@@ -302,13 +317,41 @@ def compare(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             }
     ext = (systems.get("tokencake") or {}).get("extension") or {}
     if ext.get("summary"):
-        out["prefetch_on_time_rate"] = ext["summary"].get("prefetch_on_time_rate")
+        for key in EXTENSION_HEADLINES:
+            out[key] = ext["summary"].get(key)
     return out
 
 
+#: E2E ratios of every point (when both systems ran); ``tokencake-roomy/ideal`` is the extension's cost
+#: without KV pressure (the target is <= 1.02).
+HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
+    ("tokencake", "baseline"),
+    ("tokencake", "ideal"),
+    ("baseline", "ideal"),
+    ("tokencake-roomy", "ideal"),
+)
+#: Extension summary fields of the ``tokencake`` system copied into each point's comparison.
+EXTENSION_HEADLINES: tuple[str, ...] = (
+    "prefetch_on_time_rate",
+    "next_turn_recomputed_share",
+    "ready_rate",
+    "on_time_rate_excl_not_needed",
+)
+
+
+def captured_fraction(baseline: float | None, tokencake: float | None, ideal: float | None) -> float | None:
+    """(baseline − tokencake) / (baseline − ideal): the share of the ideal's gain TokenCake captured.
+
+    None when any is missing or the ideal was not faster than the baseline (nothing to capture).
+    """
+    if baseline is None or tokencake is None or ideal is None or baseline <= ideal:
+        return None
+    return (baseline - tokencake) / (baseline - ideal)
+
+
 def aggregate(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pool the repetitions of each workload point: all apps' E2E per system, and the ratios of the pooled
-    statistics (with the per-round tokencake/baseline mean ratio, to show the spread)."""
+    """Pool the repetitions of each workload point: all apps' E2E per system and the ratios of the pooled
+    statistics, plus every headline per round with its mean and 95 % confidence interval (``rounds``)."""
     out: dict[str, Any] = {}
     for base in dict.fromkeys(p.get("base_label", p["label"]) for p in points):
         rounds = [p for p in points if p.get("base_label", p["label"]) == base]
@@ -333,8 +376,24 @@ def aggregate(points: list[dict[str, Any]]) -> dict[str, Any]:
             "tokencake/baseline_mean_per_round": [
                 (p["comparison"].get("tokencake/baseline") or {}).get("mean") for p in rounds
             ],
+            "rounds": per_round_intervals(rounds),
         }
     return out
+
+
+def per_round_intervals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each headline of the rounds' comparisons per round, with its mean and 95 % t interval.
+
+    Keys: the mean-E2E ratios of :data:`HEADLINE_PAIRS`, ``captured_fraction`` and the extension's
+    :data:`EXTENSION_HEADLINES`; a key is present when at least one round measured it.
+    """
+    series: dict[str, list[float | None]] = {}
+    for a, b in HEADLINE_PAIRS:
+        key = f"{a}/{b}"
+        series[key] = [(p["comparison"].get(key) or {}).get("mean") for p in rounds]
+    for key in ("captured_fraction", *EXTENSION_HEADLINES):
+        series[key] = [p["comparison"].get(key) for p in rounds]
+    return {k: mean_ci(v) for k, v in series.items() if any(x is not None for x in v)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -414,6 +473,18 @@ def _now() -> str:
 # The whole benchmark
 
 
+def system_order(config: BenchConfig, rep: int, point: str) -> list[SystemSpec]:
+    """The order the systems run in for round ``rep`` (0-based) of ``point``: a seeded shuffle.
+
+    Seeded by ``config.order_seed``, the round and the point label, so a rerun with the same seed runs
+    the same orders, while the rounds of one run differ from each other.
+    """
+    order = list(config.systems)
+    if config.shuffle_systems:
+        random.Random(f"tokencake-bench-order:{config.order_seed}:{rep}:{point}").shuffle(order)
+    return order
+
+
 def run_bench(
     config: BenchConfig,
     *,
@@ -434,14 +505,18 @@ def run_bench(
     if config.repeat < 1:
         raise ValueError("repeat must be >= 1")
     rounds = [(rep, point) for rep in range(config.repeat) for point in config.points]
+    orders: list[dict[str, Any]] = []
     for rep, point in rounds:
         label = point.label if config.repeat == 1 else f"{point.label}#{rep + 1}"
         per_system: dict[str, Any] = {}
-        for spec in config.systems:
+        run_order = system_order(config, rep, point.label)
+        orders.append({"round": rep + 1, "point": point.label, "order": [s.name for s in run_order]})
+        for spec in run_order:
             kwargs = server_kwargs(spec, config.server, server_cls)
             if log_dir is not None:
                 log_dir.mkdir(parents=True, exist_ok=True)
-                kwargs["log_file"] = str(log_dir / f"{label}-{spec.name}.log")
+                # Labels of swept points contain "/" ("hetero@0.25/s"): keep one flat log directory.
+                kwargs["log_file"] = str(log_dir / f"{label.replace('/', '_')}-{spec.name}.log")
             progress.system_starting(label, spec.name, point.workload.num_apps)
             t_boot = time.time()
             try:
@@ -472,6 +547,8 @@ def run_bench(
             data["server_start_s"] = round(boot_s, 3)
             progress.system_done(label, spec.name, data["replay_s"])
             per_system[spec.name] = data
+        # Tables list the systems in the configured order, whatever order they ran in.
+        per_system = {s.name: per_system[s.name] for s in config.systems if s.name in per_system}
         check = equal_work({name: s["calls"] for name, s in per_system.items()})
         if not check.ok:
             warnings.append(
@@ -499,6 +576,7 @@ def run_bench(
                 "label": label,
                 "base_label": point.label,
                 "repeat": rep + 1,
+                "system_order": orders[-1]["order"],
                 "workload": point.workload.to_dict(),
                 "systems": per_system,
                 "equal_work": check.to_dict(),
@@ -523,6 +601,7 @@ def run_bench(
         "config": config.to_dict(),
         "versions": versions(),
         "machine": machine(),
+        "system_orders": orders,
         "points": points_out,
         "aggregate": aggregate(points_out) if config.repeat > 1 else None,
     }

@@ -106,6 +106,14 @@ RESULTS_SCHEMA: dict[str, Any] = {
         "valid": {"type": "boolean"},
         "warnings": {"type": "array", "items": {"type": "string"}},
         "failed_systems": {"type": "array", "items": {"type": "string"}},
+        "system_orders": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["round", "point", "order"],
+                "properties": {"order": {"type": "array", "items": {"type": "string"}}},
+            },
+        },
         "aggregate": {"type": ["object", "null"]},
         "config": {"type": "object", "required": ["preset", "systems", "server"]},
         "versions": {"type": "object", "required": ["tokencake", "python", "vllm"]},
@@ -142,6 +150,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
                         "properties": {"passed": {"type": "boolean"}},
                     },
                     "comparison": {"type": "object"},
+                    "system_order": {"type": "array", "items": {"type": "string"}},
                 },
             },
         },

@@ -77,7 +77,8 @@ class MultiTurnSpec:
         return cls(**known)
 
 
-def _words(rng: random.Random, n: int) -> str:
+def words(rng: random.Random, n: int) -> str:
+    """``n`` seeded plain words (about ``n`` tokens: most are one token each), for both synthetic apps."""
     return " ".join(rng.choice(_WORDS) for _ in range(max(1, n)))
 
 
@@ -90,7 +91,7 @@ def document(spec: MultiTurnSpec, agent: int) -> str:
     remaining = spec.context_tokens
     while remaining > 0:
         n = min(remaining, rng.randint(8, 16))
-        sentences.append(_words(rng, n).capitalize() + ".")
+        sentences.append(words(rng, n).capitalize() + ".")
         remaining -= n + 1
     return header + " " + " ".join(sentences)
 
@@ -106,7 +107,7 @@ def tool_durations(spec: MultiTurnSpec, scale: float = 1.0) -> list[list[float]]
 
 def tool_result(spec: MultiTurnSpec, agent: int, turn: int) -> str:
     rng = random.Random(f"multi_turn-result:{spec.seed}:{agent}:{turn}")
-    return f"result {turn}: " + _words(rng, spec.tool_result_tokens)
+    return f"result {turn}: " + words(rng, spec.tool_result_tokens)
 
 
 def question(agent: int, turn: int) -> str:

@@ -1,17 +1,19 @@
 """The systems a benchmark compares, and how to start each one as a fresh server.
 
-Every system serves the same model with the same device KV size (``device_blocks``), except ``ideal``,
-whose device KV is large enough that nothing is ever evicted: the physical limit of what keeping KV
-around tool calls can buy. Each is started fresh (empty prefix cache) right before its replay and
-stopped right after it, one at a time, so the ratios come from the same machine state.
+Every system serves the same model with the same device KV size (``device_blocks``), except ``ideal``
+(and ``tokencake-roomy``), whose device KV is large enough that nothing is ever evicted: the physical
+limit of what keeping KV around tool calls can buy. Each is started fresh (empty prefix cache) right
+before its replay and stopped right after it, one at a time, so the ratios come from the same machine
+state.
 
-==============  ======================================================================================
-``baseline``     stock vLLM (prefix caching on), ``device_blocks`` KV blocks
-``tokencake``    vLLM + the TokenCake extension (offload on stall, prefetch before return, demand load)
-``ideal``        stock vLLM with ``ideal_blocks`` KV blocks (no eviction)
-``prefetch-off`` extension with offload + demand load only (what the public 0.22 port did)
-``demand-off``   extension with offload + predictive prefetch only (no demand-load fallback)
-==============  ======================================================================================
+=================== =================================================================================
+``baseline``        stock vLLM (prefix caching on), ``device_blocks`` KV blocks
+``tokencake``       vLLM + the TokenCake extension (offload on stall, prefetch before return, demand load)
+``ideal``           stock vLLM with ``ideal_blocks`` KV blocks (no eviction)
+``prefetch-off``    extension with offload + demand load only (what the public 0.22 port did)
+``demand-off``      extension with offload + predictive prefetch only (no demand-load fallback)
+``tokencake-roomy`` vLLM + the extension with the ideal's ``ideal_blocks`` KV (no pressure): its own cost
+=================== =================================================================================
 
 ``offload-only`` is accepted as another name for ``prefetch-off``.
 """
@@ -68,6 +70,15 @@ SYSTEMS: dict[str, SystemSpec] = {
         stock=False,
         flags={**_ALL_ON, "demand_load": False},
         description="TokenCake with offload + prefetch only",
+    ),
+    # With the ideal's KV nothing needs offloading, so tokencake-roomy / ideal is what the extension
+    # itself costs (event handling, accounting, any needless copies) when there is no pressure.
+    "tokencake-roomy": SystemSpec(
+        "tokencake-roomy",
+        stock=False,
+        kv="ideal",
+        flags=dict(_ALL_ON),
+        description="vLLM + TokenCake with the ideal's KV size (no pressure): the extension's own cost",
     ),
 }
 ALIASES = {"offload-only": "prefetch-off", "stock": "baseline", "vllm": "baseline"}

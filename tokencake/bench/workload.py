@@ -25,6 +25,10 @@ ARRIVAL_KINDS: tuple[str, ...] = ("poisson", "uniform", "concurrent")
 
 #: The synthetic app built by :mod:`tokencake.bench.synthetic` (not from the catalog).
 SYNTHETIC_APP = "multi_turn"
+#: The synthetic fan-in app built by :mod:`tokencake.bench.agent_mix` (the ``stress`` preset).
+AGENT_MIX_APP = "agent_mix"
+#: Apps built by this package rather than taken from the catalog; they take no run inputs.
+SYNTHETIC_APPS: tuple[str, ...] = (SYNTHETIC_APP, AGENT_MIX_APP)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from tokencake.cli import CLIError
 
 #: Kept here (not imported) so that building the CLI parser stays cheap; a test checks it against
 #: ``tokencake.bench.presets.PRESETS``.
-PRESET_NAMES = ("ci", "headroom", "paper")
+PRESET_NAMES = ("ci", "headroom", "stress", "paper")
 
 
 def register(subparsers: Any) -> None:
@@ -28,14 +28,20 @@ def register(subparsers: Any) -> None:
         "--preset",
         default="ci",
         choices=PRESET_NAMES,
-        help="ci (~2 min on 2 cores), headroom (~3 min), paper (~2 h on CPU); default ci",
+        help=(
+            "ci (~2 min on 2 cores), headroom (~3 min), stress (fan-in agents, heavy-tailed tools, "
+            "two points: ~8 min per round of 3 systems), paper (~2 h on CPU); default ci"
+        ),
     )
     p.add_argument(
         "--out", type=Path, default=Path("bench-out"), help="output directory (default: bench-out)"
     )
     p.add_argument(
         "--systems",
-        help="comma-separated: baseline,tokencake,ideal (default), prefetch-off (= offload-only), demand-off",
+        help=(
+            "comma-separated: baseline,tokencake,ideal (default), prefetch-off (= offload-only), "
+            "demand-off, tokencake-roomy (extension with the ideal's KV: its cost without pressure)"
+        ),
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--model", help="model to serve (default: the bundled SmolLM2-135M)")
@@ -43,13 +49,24 @@ def register(subparsers: Any) -> None:
     g.add_argument("--apps", type=int, help="number of app arrivals per point")
     g.add_argument("--concurrency", type=int, help="apps in flight (closed loop)")
     g.add_argument("--rates", help="comma-separated arrival rates in apps/s (open loop), e.g. 0.05,0.2,1")
-    g.add_argument("--mix", help="app mix, e.g. multi_turn=3,deep-research=1 (catalog names or multi_turn)")
+    g.add_argument(
+        "--mix",
+        help="app mix, e.g. multi_turn=3,deep-research=1 (catalog names, multi_turn or agent_mix)",
+    )
     g.add_argument("--arrival", choices=("poisson", "uniform", "concurrent"))
     g.add_argument("--latency", help="tool latency mode: real, paper or scaled:X")
-    g.add_argument("--turns", type=int, help="turns per synthetic agent")
-    g.add_argument("--context-tokens", type=int, help="private context per synthetic agent (tokens)")
+    g.add_argument("--turns", type=int, help="turns per synthetic agent (stress: every worker)")
+    g.add_argument(
+        "--context-tokens",
+        type=int,
+        help="private context per synthetic agent in tokens (stress: the base, 1200; see docs)",
+    )
     g.add_argument("--max-tokens", type=int, help="output tokens per LLM call (forced, ignore_eos)")
-    g.add_argument("--tool-s", help="synthetic tool duration: SECONDS or LOW,HIGH")
+    g.add_argument(
+        "--tool-s",
+        help="synthetic tool duration: SECONDS or LOW,HIGH (stress: the lognormal median, or LOW,HIGH's mid)",
+    )
+    g.add_argument("--workers", type=int, help="worker agents per app (stress; default 3)")
     s = p.add_argument_group("server overrides")
     s.add_argument("--device-blocks", type=int, help="device KV blocks of baseline/tokencake (default 40)")
     s.add_argument("--ideal-blocks", type=int, help="device KV blocks of the ideal system")
@@ -59,7 +76,12 @@ def register(subparsers: Any) -> None:
         "--repeat",
         type=int,
         default=1,
-        help="interleaved rounds: every system runs every point once per round",
+        help="interleaved rounds: every system runs every point once per round, in a seeded random order",
+    )
+    p.add_argument(
+        "--fixed-order",
+        action="store_true",
+        help="run the systems in the --systems order in every round instead of a seeded shuffle",
     )
     o = p.add_argument_group("output")
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -125,6 +147,8 @@ def overrides_from(args: argparse.Namespace) -> Any:
         host_pool_blocks=args.host_pool_blocks,
         kv_interval_s=args.kv_interval,
         repeat=args.repeat,
+        fixed_order=args.fixed_order,
+        workers=args.workers,
         mix=_mix(args.mix),
         extra_server_args=list(args.server_arg),
     )

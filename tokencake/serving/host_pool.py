@@ -250,6 +250,26 @@ class HostPool:
                 self._remove_owner(slot, owner)
             return len(slots)
 
+    def reset(self) -> int:
+        """Forget every host copy (the KV they hold is no longer valid); returns how many.
+
+        Unowned ready slots go back to the free list. Owned ones (a load may be reading them) lose
+        their hash so no lookup finds them, and become plain reclaimable slots once released.
+        Filling slots are left to their copy's owner, who must not :meth:`commit` them.
+        """
+        with self._lock:
+            dropped = 0
+            for slot in range(self.num_blocks):
+                if self._state[slot] != "ready":
+                    continue
+                dropped += 1
+                if self._owners[slot]:
+                    self._drop_hash(slot)
+                else:
+                    self._release_slot(slot)
+            self._counts["reset_dropped"] = self._counts.get("reset_dropped", 0) + dropped
+            return dropped
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {

@@ -88,14 +88,24 @@ def test_release_frees_chain_tail_first(pool: BlockPool) -> None:
     assert ids.index(blocks[2].block_id) < ids.index(blocks[1].block_id) < ids.index(blocks[0].block_id)
 
 
-def test_occupancy_counts_cached_free_blocks(pool: BlockPool) -> None:
-    assert bp.occupancy(pool) == 0.0
-    blocks = bp.allocate(pool, 2)
-    bp.register(pool, blocks[0], _hash(20), num_tokens=16)
+def test_reorder_moves_idle_cached_blocks_to_either_end(pool: BlockPool) -> None:
+    blocks = bp.allocate(pool, 4)
+    for i, b in enumerate(blocks):
+        bp.register(pool, b, _hash(20 + i), num_tokens=16 * (i + 1))
     bp.release(pool, blocks)
-    # One block holds cached KV (evictable but not empty), one is empty again.
-    assert bp.occupancy(pool) == pytest.approx(1 / 7)
-    assert pool.get_usage() == 0.0  # vLLM's usage ignores it: why the connector uses occupancy
+    # Freed cached blocks sit at the back (evicted last); demoting two puts them in front, in order.
+    assert bp.reorder(pool, [blocks[3], blocks[2]], first=True) == 2
+    rank = bp.eviction_rank(pool)
+    assert rank[blocks[3].block_id] == 0 and rank[blocks[2].block_id] == 1
+    (taken,) = bp.allocate(pool, 1)
+    assert taken is blocks[3], "the demoted block must be evicted first"
+    # Promoting sends the block to the very back; blocks in use or without a hash never move.
+    assert bp.reorder(pool, [blocks[2]], first=False) == 1
+    assert max(bp.eviction_rank(pool).items(), key=lambda kv: kv[1])[0] == blocks[2].block_id
+    bp.pin(pool, [blocks[0]])
+    assert bp.reorder(pool, [blocks[0]], first=True) == 0
+    bp.release(pool, [blocks[0], taken])
+    assert pool.free_block_queue.num_free_blocks == bp.num_free(pool) == 7
 
 
 def test_engine_wakeup_path_exists() -> None:

@@ -25,8 +25,8 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from tokencake.events import StallBegin, StallEnd
 from tokencake.serving.vllm import metrics as m
-from tokencake.serving.vllm._scheduler import Options, SchedulerSide
 from tokencake.serving.vllm.connector import TokenCakeConnector
+from tokencake.serving.vllm.scheduler_side import Options, SchedulerSide
 
 LABELS = ["model_name", "engine"]
 ENGINES: dict[int, list[object]] = {0: ["tiny", "0"], 1: ["tiny", "1"]}

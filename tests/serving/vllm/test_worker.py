@@ -28,6 +28,7 @@ def test_offload_then_load_round_trip() -> None:
     w, caches = _worker()
     before = {k: v.clone() for k, v in caches.items()}
     w.start_jobs(TokenCakeMetadata([CopyJob(1, "offload", [2, 3], [0, 1])]))
+    w.start_saves()
     res = w.take_results()
     assert res is not None and res.results[1].ok and res.results[1].nbytes == 2 * w.copier.block_bytes
     assert w.take_results() is None  # reported once
@@ -59,8 +60,10 @@ def test_same_job_is_never_run_twice() -> None:
     w, _ = _worker()
     meta = TokenCakeMetadata([CopyJob(9, "offload", [1], [0])])
     w.start_jobs(meta)
+    w.start_saves()
     w.take_results()
     w.start_jobs(meta)
+    w.start_saves()
     assert w.take_results() is None
 
 
@@ -81,3 +84,25 @@ def test_worker_meta_aggregates_across_workers() -> None:
     assert merged.results[1] == JobResult(False, 0.3, 20, "boom", workers=2)
     assert merged.results[2].workers == 1
     assert not TokenCakeWorkerMeta() and bool(a)
+
+
+def test_offloads_copy_after_the_forward_not_before() -> None:
+    """Regression (stale KV): a block hashed this step holds its KV only after the step's forward.
+
+    ``start_load_kv`` runs before the forward in a step with synchronous loads; an offload started
+    there copies whatever the block held before, and that copy would be committed under the hash.
+    """
+    w, caches = _worker()
+    meta = TokenCakeMetadata(
+        [CopyJob(1, "load", [6], [3], req_id="r"), CopyJob(2, "offload", [2, 3], [0, 1])]
+    )
+    w.start_jobs(meta)  # start_load_kv, before the forward (the step has a demand load)
+    assert w.busy
+    forward = {k: torch.full_like(v[2:4], 7.0) for k, v in caches.items()}
+    for k, t in caches.items():  # the forward writes the freshly allocated blocks
+        t[2:4] = forward[k]
+    w.start_saves()  # wait_for_save, after the forward
+    res = w.take_results()
+    assert res is not None and res.results[1].ok and res.results[2].ok
+    for host, k in zip(w.copier.host_tensors, caches, strict=True):
+        assert torch.equal(host[0:2], forward[k]), "the host copy must hold what the forward computed"

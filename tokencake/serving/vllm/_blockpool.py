@@ -17,7 +17,11 @@ Assumptions (vLLM 0.32):
   there), returns blocks with ``ref_cnt == 1`` and no hash;
 * ``free_blocks`` appends blocks that carry a hash to the MRU end of the free queue (evicted
   last) and prepends hash-less ones; ``touch`` takes a ref and removes a ref-0 block from it;
-* ``_insert_block_hash(key, block, num_tokens)`` sets the block's hash and maps key → block.
+* ``_insert_block_hash(key, block, num_tokens)`` sets the block's hash and maps key → block;
+* ``free_block_queue`` (a ``FreeKVCacheBlockQueue``: eviction pops from its front) has
+  ``remove(block)``, ``prepend_n(blocks)`` and ``append_n(blocks)``. :func:`reorder` uses them to
+  put an offloaded session's idle blocks first in line for eviction (``free_blocks`` alone can
+  only put them last). Like prefetch, reordering is off when :func:`check` fails.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
 #: vLLM version prefixes whose private internals were checked against this module.
 SUPPORTED: tuple[str, ...] = ("0.32.",)
 _INSERT_PARAMS = ("block_hash_with_group_id", "block", "num_tokens")
+_QUEUE_METHODS = ("remove", "prepend_n", "append_n")
 
 
 def check() -> str | None:
@@ -52,6 +57,11 @@ def check() -> str | None:
     params = tuple(inspect.signature(fn).parameters)[1:]
     if params != _INSERT_PARAMS:
         return f"BlockPool._insert_block_hash signature changed: {params}"
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    for name in _QUEUE_METHODS:
+        if not callable(getattr(FreeKVCacheBlockQueue, name, None)):
+            return f"FreeKVCacheBlockQueue.{name} is gone"
     return None
 
 
@@ -94,18 +104,56 @@ def usage(pool: BlockPool) -> float:
     return float(pool.get_usage())
 
 
-def occupancy(pool: BlockPool) -> float:
-    """Share of blocks in use *or* holding cached KV, in [0, 1].
+def is_idle_cached(block: KVCacheBlock) -> bool:
+    """Cached (has a hash), unused (ref 0): sits in the free queue, evictable."""
+    return block.ref_cnt == 0 and block.block_hash is not None and not block.is_null
 
-    vLLM's ``get_usage`` counts cached ref-0 blocks as free, yet those are exactly what the next
-    allocations evict: a pool full of idle cached prefixes is under pressure for a stalled
-    session's blocks. O(num_blocks); the connector calls it at stall begin and on re-evaluation.
+
+def reorder(pool: BlockPool, blocks: Sequence[KVCacheBlock], *, first: bool) -> int:
+    """Move idle cached ``blocks`` to the front (``first``: evicted next) or back of the free queue.
+
+    ``blocks`` are given in eviction order (the first one is evicted first). Blocks in use or
+    without a hash are skipped. Private API (see the module doc); returns how many moved.
     """
-    blocks = pool.blocks[1:]  # block 0 is the null block
-    if not blocks:
-        return 0.0
-    held = sum(1 for b in blocks if b.ref_cnt > 0 or b.block_hash is not None)
-    return held / len(blocks)
+    seen: set[int] = set()
+    moved: list[KVCacheBlock] = []
+    for b in blocks:
+        if b.block_id not in seen and is_idle_cached(b):
+            seen.add(b.block_id)
+            moved.append(b)
+    if not moved:
+        return 0
+    queue = pool.free_block_queue
+    for b in moved:
+        queue.remove(b)
+    if first:
+        queue.prepend_n(moved)
+    else:
+        queue.append_n(moved)
+    return len(moved)
+
+
+def blocks_ahead(pool: BlockPool, block_ids: set[int], limit: int) -> int:
+    """How many free blocks vLLM evicts before the first of ``block_ids`` (at most ``limit``)."""
+    queue = pool.free_block_queue
+    block, tail, n = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail, 0
+    while block is not None and block is not tail and n < limit:
+        if block.block_id in block_ids:
+            return n
+        n += 1
+        block = block.next_free_block
+    return n
+
+
+def eviction_rank(pool: BlockPool, limit: int | None = None) -> dict[int, int]:
+    """Block id → position in the free queue (0 = evicted next), for the first ``limit`` blocks."""
+    out: dict[int, int] = {}
+    block = pool.free_block_queue.fake_free_list_head.next_free_block
+    tail = pool.free_block_queue.fake_free_list_tail
+    while block is not None and block is not tail and (limit is None or len(out) < limit):
+        out[block.block_id] = len(out)
+        block = block.next_free_block
+    return out
 
 
 def register(
@@ -163,16 +211,19 @@ def find_engine_wakeup() -> Callable[[], None] | None:
 __all__ = [
     "SUPPORTED",
     "allocate",
+    "blocks_ahead",
     "cached_block",
     "cached_chain",
     "check",
+    "eviction_rank",
     "find_engine_wakeup",
     "has_hash",
+    "is_idle_cached",
     "key",
     "num_free",
-    "occupancy",
     "pin",
     "register",
     "release",
+    "reorder",
     "usage",
 ]

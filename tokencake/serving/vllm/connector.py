@@ -2,7 +2,7 @@
 
 vLLM builds it twice from ``--kv-transfer-config``
 (``"kv_connector_module_path": "tokencake.serving.vllm.connector"``): once with the SCHEDULER
-role inside EngineCore (policy, events listener, block-pool bookkeeping — see ``_scheduler.py``)
+role inside EngineCore (policy, events listener, block-pool bookkeeping — see ``scheduler_side.py``)
 and once with the WORKER role in each worker process (the copies — see ``worker.py``). This
 class only routes vLLM's hooks to those halves and makes every hook defensive: an exception in
 a scheduler-side hook would kill the engine, so each is caught, counted in ``/v1/stats``
@@ -12,7 +12,8 @@ own ``/metrics`` as ``vllm:tokencake_*`` (see ``metrics.py``).
 
 ``kv_connector_extra_config`` keys: ``events_host`` (default 127.0.0.1), ``events_port`` (no
 listener when absent), ``api_key``, ``host_pool_blocks`` or ``host_pool_gib`` (default 1 GiB),
-``offload`` / ``prefetch`` / ``demand_load`` (default true), ``wake_idle_engine`` (default true).
+``offload`` / ``prefetch`` / ``demand_load`` / ``early_save`` / ``demote`` (default true),
+``wake_idle_engine`` (default true), and the numeric policy knobs of :func:`_options`.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tokencake.serving.host_pool import blocks_for_gib
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm import metrics as tc_metrics
-from tokencake.serving.vllm._scheduler import Options, SchedulerSide, _extra_bool
 from tokencake.serving.vllm.metadata import CopyJob, TokenCakeMetadata, TokenCakeWorkerMeta
+from tokencake.serving.vllm.scheduler_side import Options, SchedulerSide, _extra_bool
 from tokencake.serving.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -81,6 +82,34 @@ def host_pool_blocks(extra: dict[str, Any], block_bytes: int) -> int:
     return blocks_for_gib(gib, block_bytes)
 
 
+def _options(extra: dict[str, Any]) -> Options:
+    """Policy knobs from ``kv_connector_extra_config``; a bad value keeps the default (logged)."""
+    opts = Options()
+    for name in ("offload", "prefetch", "demand_load", "early_save", "demote"):
+        setattr(opts, name, _extra_bool(extra, name, getattr(opts, name)))
+    numeric: dict[str, type] = {
+        "usage_threshold": float,
+        "prefetch_margin_s": float,
+        "end_grace_s": float,
+        "prefetch_reserve_frac": float,
+        "min_waiting": int,
+    }
+    for name, kind in numeric.items():
+        if name not in extra:
+            continue
+        try:
+            value = kind(extra[name])
+            if value < 0:
+                raise ValueError("must be >= 0")
+        except (TypeError, ValueError) as exc:
+            log.warning(
+                "TokenCake: ignoring %s=%r (%s); using %s", name, extra[name], exc, getattr(opts, name)
+            )
+            continue
+        setattr(opts, name, value)
+    return opts
+
+
 class TokenCakeConnector(KVConnectorBase_V1):
     """Temporal KV management around agent tool calls (offload, prefetch, demand load)."""
 
@@ -120,21 +149,15 @@ class TokenCakeConnector(KVConnectorBase_V1):
                     log.info("TokenCake: kv_load_failure_policy set to 'recompute'")
                 except Exception:
                     log.warning("TokenCake: could not set kv_load_failure_policy=recompute; pass it")
-            opts = Options(
-                offload=_extra_bool(extra, "offload", True),
-                prefetch=_extra_bool(extra, "prefetch", True),
-                demand_load=_extra_bool(extra, "demand_load", True),
-            )
-            for name in ("usage_threshold", "prefetch_margin_s", "end_grace_s", "prefetch_reserve_frac"):
-                if name in extra:
-                    setattr(opts, name, float(extra[name]))
-            if "min_waiting" in extra:
-                opts.min_waiting = int(extra["min_waiting"])
+            opts = _options(extra)
             self.sched = SchedulerSide(
                 block_size=block_size,
                 block_bytes=block_bytes,
                 num_host_blocks=num_host,
                 num_workers=vllm_config.parallel_config.world_size,
+                max_step_tokens=int(
+                    getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 2048
+                ),
                 device_is_cuda=torch.cuda.is_available(),
                 options=opts,
             )
@@ -175,7 +198,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
                 api_key=extra.get("api_key") or None,
             ).start()
             log.info("TokenCake events listener on %s", self._events.url)
-        except OSError as exc:  # a busy port must not take the engine down
+        except (OSError, ValueError, TypeError) as exc:  # a busy or bad port must not take the engine down
             log.error("TokenCake events listener could not bind %s:%s: %s", host, port, exc)
             self.sched.stats.set("events.listener_up", 0)
             return
@@ -219,7 +242,9 @@ class TokenCakeConnector(KVConnectorBase_V1):
         return  # offloads copy whole cached blocks at stall begin, not per layer during a forward
 
     def wait_for_save(self) -> None:
-        return
+        # After the forward: offloads may read blocks hashed this step only now (see worker.py).
+        if self.worker is not None:
+            self.worker.start_saves()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
@@ -255,6 +280,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
         if self.sched is None:
             return 0, False
         try:
+            # None: a prefetch of this session is being copied; vLLM asks again next step.
             return self.sched.get_num_new_matched_tokens(request, num_computed_tokens), False
         except Exception:
             self._count_error("get_num_new_matched_tokens")
@@ -272,12 +298,16 @@ class TokenCakeConnector(KVConnectorBase_V1):
             if num_external_tokens > 0:
                 # vLLM now believes these tokens will be loaded: make the worker report the blocks as
                 # failed so vLLM recomputes them instead of reading garbage.
-                self.sched.fail_load(request, block_ids, num_external_tokens)
+                try:
+                    self.sched.fail_load(request, block_ids, num_external_tokens)
+                except Exception:
+                    self._count_error("fail_load")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.sched is None:
             return TokenCakeMetadata()
         try:
+            self.sched.observe_step(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
             return self.sched.build_meta()
         except Exception:
             self._count_error("build_connector_meta")
@@ -300,6 +330,16 @@ class TokenCakeConnector(KVConnectorBase_V1):
         except Exception:
             self._count_error("request_finished")
         return False, None
+
+    def reset_cache(self) -> bool | None:
+        """vLLM reset its prefix cache (e.g. new weights): host copies are stale, drop them all."""
+        if self.sched is None:
+            return None
+        try:
+            return self.sched.reset_cache()
+        except Exception:
+            self._count_error("reset_cache")
+            return False
 
     def has_pending_push_work(self) -> bool:
         if self.sched is None:

@@ -6,23 +6,34 @@ thread-safe objects (``SessionTracker``, ``Stats``, the forecaster) and a wake-u
 block-pool and host-pool mutation happens on the engine thread, in the hooks vLLM calls:
 
 ``request_finished``
-    remember the session's latest block hashes (prompt + output, full blocks).
+    remember the session's latest block hashes (prompt + output, full blocks). When the request
+    announced its next tool call (``next_stall``) and the gate says the stall will need it, start
+    saving the blocks right here (pinned), so the save never races their eviction.
 ``build_connector_meta`` (every step, also empty ones)
     drain stall transitions; at ``stall_begin`` ask the gate and plan the offload (pin the
     cached device blocks, reserve host slots); re-ask retryable decisions while the stall
-    lasts; start the prefetches the ``PrefetchPlanner`` says are due (allocate device blocks);
-    expire stalls; emit the step's copy jobs for the workers.
+    lasts; start the prefetches the ``PrefetchPlanner`` says are due (allocate device blocks,
+    within the free blocks that waiting requests do not need); expire stalls; emit the step's
+    copy jobs for the workers.
 ``update_connector_output``
     finished copies come back from the workers: commit offloaded blocks to the host index,
-    register prefetched blocks in the device prefix cache, release every pin.
+    register prefetched blocks in the device prefix cache, release every pin. Once a stalled
+    session's chain is safely on host, its idle device blocks move to the *front* of vLLM's
+    eviction queue (latest predicted return first), and back to the end when its prefetch falls
+    due or the tool returns.
 ``get_num_new_matched_tokens`` / ``update_state_after_alloc``
     demand load: count host-pool hits past the device prefix, map them to the blocks vLLM
-    allocated, and plan a synchronous host → device load.
+    allocated, and plan a synchronous host → device load. A request whose prefetch is still
+    being copied waits one step for it instead of loading the same blocks twice.
+``reset_cache``
+    vLLM reset its prefix cache (weights changed): drop every host copy, ignore copies in flight.
 
 Rules that keep vLLM correct: every device block we pin or allocate is released exactly once
-(``_Job.release``); a block is published in the prefix cache only after its copy is confirmed,
-and only when no other block serves its hash; a prefetch only brings back blocks that extend an
-unbroken chain from block 0; a failed load is reported so vLLM recomputes.
+(``_Job.release``); offloads are copied after the step's forward (the worker runs them in
+``wait_for_save``: a block hashed this step holds its KV only then); a block is published in
+the prefix cache only after its copy is confirmed, and only when no other block serves its hash;
+a prefetch only brings back blocks that extend an unbroken chain from block 0; a failed load is
+reported so vLLM recomputes; nothing from before a ``reset_cache`` is committed or published.
 """
 
 from __future__ import annotations
@@ -30,15 +41,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from tokencake.events import META_KEY, EventAck, RequestMeta, StallBegin, StallEnd
+from tokencake.events import META_KEY, EventAck, NextStall, RequestMeta, StallBegin, StallEnd
 from tokencake.serving.forecast import DurationForecaster
-from tokencake.serving.gate import GateInput, OffloadGate, TransferModel
+from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remaining_s
 from tokencake.serving.host_pool import HostPool, HostPoolExhausted
 from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
 from tokencake.serving.sessions import SessionTracker, StallTransition
@@ -53,6 +65,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.tokencake")
 
+#: Readiness of a session's blocks when its next request arrives (``readiness.*`` counters).
+READINESS = ("prefetched", "not_needed", "loading", "missed")
+
 
 @dataclass
 class Options:
@@ -61,11 +76,18 @@ class Options:
     offload: bool = True
     prefetch: bool = True
     demand_load: bool = True
+    #: Start saving a session's blocks when its request finishes with a tool call announced.
+    early_save: bool = True
+    #: Move an offloaded idle session's device blocks to the front of vLLM's eviction queue.
+    demote: bool = True
     #: Prefetch starts ``lead = estimated H2D time + prefetch_margin_s`` before the predicted end.
     prefetch_margin_s: float = 0.25
-    #: Never let a prefetch take the device below this many free blocks (or any while requests wait).
+    #: A prefetch never takes the device below this many free blocks, nor below what the
+    #: requests waiting for admission need (whichever is larger).
     prefetch_reserve_blocks: int = 0
-    prefetch_reserve_frac: float = 0.10
+    prefetch_reserve_frac: float = 0.05
+    #: A request waits at most this long for its session's prefetch copy before loading on demand.
+    prefetch_wait_s: float = 1.0
     #: How often a retryable gate decision (no pressure yet, host full) is asked again.
     reevaluate_s: float = 0.05
     #: Host copies stay pinned this long after ``stall_end`` for the session's next request.
@@ -76,9 +98,15 @@ class Options:
     expiry_max_s: float = 3600.0
     #: A copy the workers never confirm is given up after this long (pins released).
     job_timeout_s: float = 60.0
-    #: Gate thresholds (see tokencake.serving.gate).
-    usage_threshold: float = 0.60
+    #: Gate thresholds (see tokencake.serving.gate). ``usage_threshold`` applies to the eviction
+    #: risk of the session's blocks (see ``SchedulerSide._eviction_risk``): 0.5 = the allocations
+    #: expected before the session returns would use up half the free blocks queued ahead of it.
+    usage_threshold: float = 0.50
     min_waiting: int = 1
+    #: Allocations expected before a stall ends are ``churn_safety ×`` the measured rate.
+    churn_safety: float = 2.0
+    #: Seconds of step history behind the allocation-rate estimate.
+    churn_window_s: float = 10.0
 
 
 @dataclass
@@ -95,6 +123,9 @@ class _Job:
     issued_at: float
     stall_id: str | None = None
     req_id: str | None = None
+    session_id: str | None = None
+    #: ``reset_cache`` count when planned: a job from before a reset commits/publishes nothing.
+    generation: int = 0
     #: True when the device blocks hold a reference taken by us (offload pin, prefetch allocation).
     device_owned: bool = False
     reports: int = 0
@@ -102,7 +133,12 @@ class _Job:
 
     @property
     def owner(self) -> str:
-        return f"job:{self.job_id}"
+        return self.owner_of(self.job_id)
+
+    @staticmethod
+    def owner_of(job_id: int) -> str:
+        """The host-pool owner id of job ``job_id`` (its slots are pinned under it)."""
+        return f"job:{job_id}"
 
     def to_wire(self) -> CopyJob:
         return CopyJob(
@@ -125,9 +161,10 @@ class _Stall:
     known: bool = True
     decision: str | None = None
     offloaded: bool = False
-    offload_job: int | None = None
     next_eval: float = 0.0
     ended_at: float | None = None
+    #: Seconds a host → device copy of the chain needs ahead of the return (transfer + margin).
+    lead_s: float = 0.0
     #: The prefetch copy in flight (its timing and state live in the ``PrefetchPlanner``).
     prefetch_job: int | None = None
     #: Blocks published in the device prefix cache by prefetches of this stall.
@@ -135,6 +172,22 @@ class _Stall:
     #: Headroom refusals; a deferred prefetch waits for the next regular step.
     deferred: int = 0
     accounted: bool = False
+
+    @property
+    def returns_at(self) -> float:
+        """Predicted end of the tool call (server clock)."""
+        return self.begin_at + self.predicted_s
+
+
+@dataclass
+class _ReqInfo:
+    """What the connector keeps about a request that carries TokenCake metadata."""
+
+    session_id: str
+    agent_type: str
+    next_stall: NextStall | None = None
+    #: A prefetch of this session was being copied when the request first asked for its prefix.
+    arrived_while_loading: bool = False
 
 
 def _extra_bool(extra: dict[str, Any], name: str, default: bool) -> bool:
@@ -169,10 +222,13 @@ class SchedulerSide:
         num_host_blocks: int,
         num_workers: int = 1,
         device_is_cuda: bool = False,
+        max_step_tokens: int = 2048,
         options: Options | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.opts = options or Options()
+        #: One step may schedule this many new tokens (vLLM's max_num_batched_tokens).
+        self.max_step_tokens = max(1, int(max_step_tokens))
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.num_workers = max(1, num_workers)
@@ -199,26 +255,41 @@ class SchedulerSide:
         self.pool: BlockPool | None = None
         private = bp.check()
         self.private_ok = private is None
-        if private is not None and self.opts.prefetch:
-            log.warning("TokenCake: predictive prefetch disabled (%s); demand load stays on", private)
+        if private is not None and (self.opts.prefetch or self.opts.demote):
+            log.warning(
+                "TokenCake: predictive prefetch and eviction reordering disabled (%s); demand load stays on",
+                private,
+            )
         self._wake: Callable[[], None] | None = None
         self._lock = threading.Lock()  # guards _wake_at (listener/timer threads vs engine thread)
         self._wake_at: float | None = None
         self._next_job = 1
+        self._generation = 0
         self._jobs: dict[int, _Job] = {}
         self._outbox: list[CopyJob] = []
         self._stalls: dict[str, _Stall] = {}
         self._ended: dict[str, _Stall] = {}
         #: Last ended/expired stall per session (to account the session's next request).
         self._last_stall: dict[str, _Stall] = {}
-        #: req_id -> session id of requests carrying TokenCake metadata.
-        self._req_session: dict[str, str] = {}
+        #: session id -> its active stall's id.
+        self._session_stall: dict[str, str] = {}
+        #: req_id -> what we know of requests carrying TokenCake metadata.
+        self._reqs: dict[str, _ReqInfo] = {}
         #: req_id -> (first block, hashes, slots) from the last get_num_new_matched_tokens.
         self._pending_load: dict[str, tuple[int, list[bytes], list[int]]] = {}
         #: req_id -> device prefix-cache hit (tokens) of a session request, for accounting.
         self._local_hit: dict[str, int] = {}
-        self._waiting: set[str] = set()
-        self._occ: tuple[float, float] = (float("nan"), 0.0)
+        #: Requests not yet admitted -> blocks their prompt needs (the queue's KV demand).
+        self._waiting: dict[str, int] = {}
+        #: Block hash -> offload job copying it (the host copy exists once that job commits).
+        self._filling: dict[bytes, int] = {}
+        #: Offloaded stalls whose idle device blocks are at the front of the eviction queue.
+        self._demoted: set[str] = set()
+        #: Session id -> its prefetch job being copied.
+        self._prefetching: dict[str, int] = {}
+        #: (time, tokens scheduled) of recent steps: the allocation rate behind the eviction risk.
+        self._steps: deque[tuple[float, int]] = deque()
+        self._last_risk: float | None = None
         self._usa_req: str | None = None
         self._usa_first = 0
         self.stats.register("host_pool", self.host.stats)
@@ -281,40 +352,163 @@ class SchedulerSide:
     def prefetch_enabled(self) -> bool:
         return self.opts.prefetch and self.private_ok
 
+    @property
+    def demote_enabled(self) -> bool:
+        return self.opts.demote and self.private_ok
+
     def _stall(self, stall_id: str) -> _Stall | None:
         return self._stalls.get(stall_id) or self._ended.get(stall_id)
 
     def _offload_pending(self, stall: _Stall) -> bool:
-        return stall.offload_job is not None and stall.offload_job in self._jobs
+        """Whether a block of the stall's chain is still being copied to the host."""
+        return bool(self._filling) and any(h in self._filling for h in stall.hashes)
 
     def on_new_request(self, request: Request) -> None:
         meta = request_meta(request)
         if meta is not None:
-            self._req_session[request.request_id] = meta.session_id
+            self._reqs[request.request_id] = _ReqInfo(
+                meta.session_id, meta.agent_type or meta.node, meta.next_stall
+            )
             self.stats.inc("requests.with_meta")
-        self._waiting.add(request.request_id)
+        self._waiting[request.request_id] = -(-int(request.num_tokens) // self.block_size)
 
     def request_finished(self, request: Request) -> None:
         req_id = request.request_id
-        self._waiting.discard(req_id)
+        self._waiting.pop(req_id, None)
         self._pending_load.pop(req_id, None)
         self._local_hit.pop(req_id, None)
-        session_id = self._req_session.pop(req_id, None)
-        if session_id is None:
+        info = self._reqs.pop(req_id, None)
+        if info is None:
             return
         # Full blocks only: the partial tail block is never cached.
         num_full = request.num_computed_tokens // self.block_size
         hashes = [bytes(h) for h in list(request.block_hashes)[:num_full]]
-        self.sessions.record_request(session_id, hashes, request.num_computed_tokens, req_id)
+        self.sessions.record_request(info.session_id, hashes, request.num_computed_tokens, req_id)
+        if info.next_stall is not None:
+            try:
+                self._early_save(info, hashes, self.clock())
+            except Exception:
+                self.stats.inc("errors.early_save")
+                log.exception("TokenCake: early save for %s failed", req_id)
+
+    # ---- chains
+    def _chain(self, hashes: tuple[bytes, ...] | list[bytes]) -> list[tuple[int, bytes, Any, int | None]]:
+        """``(position, hash, device block or None, host slot or None)`` of the usable chain prefix.
+
+        A hit needs an unbroken chain from block 0, so the scan stops at the first block that is
+        neither cached on device, nor on host, nor being copied there.
+        """
+        assert self.pool is not None
+        chain: list[tuple[int, bytes, Any, int | None]] = []
+        for i, h in enumerate(hashes):
+            dev = bp.cached_block(self.pool, h)
+            slot = self.host.lookup(h)
+            if dev is None and slot is None:
+                break
+            chain.append((i, h, dev, slot))
+        return chain
+
+    def _gate_input(
+        self, chain: list, predicted_s: float, elapsed_s: float, known: bool, now: float
+    ) -> GateInput:
+        on_host = sum(1 for _i, h, _d, slot in chain if slot is not None or h in self._filling)
+        left = remaining_s(predicted_s, elapsed_s, self.gate.overdue_factor)
+        return GateInput(
+            predicted_s=predicted_s,
+            num_blocks=len(chain),
+            block_bytes=self.block_bytes,
+            device_usage=self._eviction_risk(chain, left, now),
+            num_waiting=len(self._waiting),
+            host_free_blocks=self.host.num_free,
+            num_on_host=on_host,
+            host_reclaimable_blocks=self.host.num_reclaimable,
+            elapsed_s=elapsed_s,
+            session_known=known,
+        )
+
+    def _plan_offload(self, chain: list, *, stall_id: str | None, session_id: str) -> _Job | None:
+        """Pin the chain's device blocks that have no host copy yet and queue their copy.
+
+        Raises :class:`HostPoolExhausted` when the host cannot take them (nothing is pinned then).
+        """
+        assert self.pool is not None
+        todo = [
+            (i, h, dev)
+            for i, h, dev, slot in chain
+            if slot is None and dev is not None and h not in self._filling
+        ]
+        if not todo:
+            return None
+        # The slots are allocated for the job about to be created (owner = its id), all or nothing.
+        slots = self.host.allocate(len(todo), _Job.owner_of(self._next_job))
+        blocks = [dev for _i, _h, dev in todo]
+        bp.pin(self.pool, blocks)
+        job = self._new_job(
+            "offload",
+            [h for _i, h, _d in todo],
+            [i for i, _h, _d in todo],
+            blocks,
+            slots,
+            stall_id=stall_id,
+            session_id=session_id,
+        )
+        job.device_owned = True
+        for h in job.hashes:
+            self._filling[h] = job.job_id
+        self._outbox.append(job.to_wire())
+        self.stats.inc("offload.jobs")
+        return job
+
+    def _early_save(self, info: _ReqInfo, hashes: list[bytes], now: float) -> None:
+        """The request announced a tool call: copy its blocks while vLLM still holds them.
+
+        The blocks of a request that just finished sit at the safe end of the eviction queue, but
+        under pressure they can be evicted before ``stall_begin`` reaches the engine; the session
+        would then only get back the part an earlier turn had saved. Asking the gate with the
+        announced tool's forecast here makes the save independent of that race.
+        """
+        if not self.opts.offload or self.pool is None or not hashes or info.next_stall is None:
+            return
+        nxt = info.next_stall
+        fc = self.forecaster.predict(info.agent_type, nxt.tool, nxt.predicted_s)
+        chain = self._chain(hashes)
+        decision = self.gate.decide(self._gate_input(chain, fc.seconds, 0.0, True, now))
+        self.stats.inc(f"early_save.decision.{decision.reason}")
+        if not decision.offload:
+            return
+        try:
+            job = self._plan_offload(chain, stall_id=None, session_id=info.session_id)
+        except HostPoolExhausted:
+            self.stats.inc("early_save.host_pool_full")
+            return
+        if job is not None:
+            self.stats.inc("early_save.jobs")
+            self.stats.inc("early_save.blocks", len(job.hashes))
 
     # ---- demand load
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Host-pool hits past the device prefix (tokens); None = ask again next step.
+
+        None only while a prefetch of the request's own session is being copied: the blocks are
+        about to appear in the device prefix cache, loading them a second time would waste the copy.
+        """
         req_id = request.request_id
-        if req_id in self._req_session:
+        info = self._reqs.get(req_id)
+        if info is not None:
             self._local_hit[req_id] = num_computed_tokens
             # Stall transitions may still be queued (no step since they arrived): apply them now so
             # this request is accounted against its stall. Only bookkeeping and pins happen here.
             self._drain(self.clock())
+            job = self._jobs.get(self._prefetching.get(info.session_id, 0))
+            if job is not None:
+                if not info.arrived_while_loading:
+                    info.arrived_while_loading = True
+                    self.stats.inc("demand_load.waited_for_prefetch")
+                if self.clock() - job.issued_at < self.opts.prefetch_wait_s:
+                    return None
+                # A copy this slow is not worth waiting for: load on demand (the prefetch's blocks
+                # are its own; whichever lands second is simply not published).
+                self.stats.inc("demand_load.gave_up_waiting")
         if not self.opts.demand_load or self.pool is None or self.host.num_blocks == 0:
             return 0
         first = num_computed_tokens // self.block_size
@@ -338,7 +532,7 @@ class SchedulerSide:
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         req_id = request.request_id
-        self._waiting.discard(req_id)
+        self._waiting.pop(req_id, None)
         pending = self._pending_load.pop(req_id, None)
         local = self._local_hit.pop(req_id, 0)
         self._usa_req, self._usa_first = req_id, (pending[0] if pending else local // self.block_size)
@@ -371,10 +565,11 @@ class SchedulerSide:
         self.stats.inc("tokens.from_host", n * self.block_size)
 
     def _account_next_turn(self, request: Request, local: int, external: int) -> None:
-        """Prefetch on-time / late / wasted and recomputed prefix tokens for a session's next turn."""
-        session_id = self._req_session.get(request.request_id)
-        if session_id is None:
+        """Readiness, prefetch outcome and recomputed prefix tokens for a session's next turn."""
+        info = self._reqs.get(request.request_id)
+        if info is None:
             return
+        session_id = info.session_id
         stall = self._last_stall.get(session_id)
         if stall is None or stall.accounted:
             return
@@ -398,12 +593,25 @@ class SchedulerSide:
         self.stats.set("next_turn.last_recomputed", chain_tokens - served)
         self.stats.set("next_turn.last_device", device)
         self.stats.set("next_turn.last_host", served - device)
+        # Readiness: were the blocks on device (or being copied there) when the request came? Only
+        # stalls long enough for a copy to fit count; shorter ones nobody could have served.
+        on_device = device >= chain_tokens
+        ended_at = stall.ended_at if stall.ended_at is not None else self.clock()
+        if chain_tokens > 0 and ended_at - stall.begin_at > stall.lead_s:
+            if info.arrived_while_loading:
+                ready = "loading"
+            elif on_device:
+                ready = "prefetched" if stall.prefetched else "not_needed"
+            else:
+                ready = "missed"
+            self.stats.inc("readiness.eligible")
+            self.stats.inc(f"readiness.{ready}")
         # Classify the session's planned stalls: on time only if the whole repeated prefix was on
         # device when the request came (a prefetch or blocks that were never evicted).
         # With prefetch off the planner still tracks the stall (pins, expiry): count apart so the
         # prefetch outcome counters only ever describe prefetches.
         outcome = "prefetch" if self.prefetch_enabled else "no_prefetch"
-        for sid, cls in self.planner.on_request(session_id, hit_on_device=local >= chain_tokens):
+        for sid, cls in self.planner.on_request(session_id, hit_on_device=on_device):
             self.stats.inc(f"{outcome}.{cls}")
             done = self._stall(sid)
             if cls == "on_time" and done is not None and done.prefetched:
@@ -417,6 +625,7 @@ class SchedulerSide:
         """Unpin a stall's host copies and forget it (a prefetch in flight keeps its own pins)."""
         self.host.release(stall_id)
         self._ended.pop(stall_id, None)
+        self._demoted.discard(stall_id)
 
     # ---- per step
     def build_meta(self) -> TokenCakeMetadata:
@@ -443,6 +652,17 @@ class SchedulerSide:
         self.stats.inc("demand_load.plan_failed")
         self._outbox.append(CopyJob(0, "load", list(ids), [], request.request_id, invalid=True))
 
+    def reset_cache(self) -> bool:
+        """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
+        self._generation += 1
+        dropped = self.host.reset()
+        self._filling.clear()
+        self._demoted.clear()
+        self.stats.inc("reset.count")
+        self.stats.inc("reset.host_blocks_dropped", dropped)
+        log.info("TokenCake: prefix cache reset, %d host blocks dropped", dropped)
+        return True
+
     def _step(self, now: float) -> None:
         self._drain(now)
         for stall in list(self._stalls.values()):
@@ -467,6 +687,7 @@ class SchedulerSide:
             # No end in time, or ended long ago without a next request: release the host pins.
             stall = self._stalls.pop(sid, None)
             if stall is not None:
+                self._forget_active(stall)
                 self.sessions.expire(sid, "no_stall_end")
                 self.stats.inc("stalls.expired.no_stall_end")
             self._release_stall(sid)
@@ -481,6 +702,10 @@ class SchedulerSide:
             except Exception:
                 self.stats.inc("errors.transition")
                 log.exception("TokenCake: stall transition %s failed", tr.kind)
+
+    def _forget_active(self, stall: _Stall) -> None:
+        if self._session_stall.get(stall.session_id) == stall.stall_id:
+            del self._session_stall[stall.session_id]
 
     def _on_transition(self, tr: StallTransition, now: float) -> None:
         if tr.kind == "begin":
@@ -499,19 +724,26 @@ class SchedulerSide:
                 tuple(hashes),
                 known=tr.blocks is not None,
             )
+            stall.lead_s = (
+                self.transfer.estimate("h2d", len(hashes) * self.block_bytes) + self.opts.prefetch_margin_s
+            )
             self.stats.inc(f"forecast.source.{fc.source}")
             self._stalls[stall.stall_id] = stall
+            self._session_stall[stall.session_id] = stall.stall_id
             self._evaluate(stall, now)
         elif tr.kind == "end":
             stall = self._stalls.pop(tr.stall_id, None)
             ev = tr.event
             if stall is None:
                 return
+            self._forget_active(stall)
             stall.ended_at = tr.at
             if isinstance(ev, StallEnd):
                 self.forecaster.observe(stall.agent_type, stall.tool, ev.duration_s, stall.predicted_s)
                 self.stats.observe("forecast.error_s", stall.predicted_s - ev.duration_s)
             self._finish_stall(stall)
+            # The tool is back: its idle device blocks are the next to be used, not evicted.
+            self._promote(stall)
             plan = self.planner.get(stall.stall_id)
             if plan is not None and plan.state in ("waiting", "on_device"):
                 if plan.state == "on_device" and not self._chain_on_device(stall):
@@ -526,6 +758,7 @@ class SchedulerSide:
         else:  # expired by the tracker's safety net
             stall = self._stalls.pop(tr.stall_id, None)
             if stall is not None:
+                self._forget_active(stall)
                 self._expire(stall, tr.detail or "expired")
 
     def _finish_stall(self, stall: _Stall) -> None:
@@ -540,30 +773,11 @@ class SchedulerSide:
 
     def _evaluate(self, stall: _Stall, now: float) -> None:
         """Ask the gate; on yes pin the device chain and plan the device → host copy."""
-        pool = self.pool
-        if pool is None:
+        if self.pool is None:
             return
-        chain: list[tuple[int, bytes, KVCacheBlock | None, int | None]] = []
-        for i, h in enumerate(stall.hashes):
-            dev = bp.cached_block(pool, h)
-            slot = self.host.lookup(h)
-            if dev is None and slot is None:
-                break  # a hit needs an unbroken chain from block 0: the rest is useless
-            chain.append((i, h, dev, slot))
-        num_on_host = sum(1 for c in chain if c[3] is not None)
+        chain = self._chain(stall.hashes)
         decision = self.gate.decide(
-            GateInput(
-                predicted_s=stall.predicted_s,
-                num_blocks=len(chain),
-                block_bytes=self.block_bytes,
-                device_usage=self._occupancy(pool, now),
-                num_waiting=len(self._waiting),
-                host_free_blocks=self.host.num_free,
-                num_on_host=num_on_host,
-                host_reclaimable_blocks=self.host.num_reclaimable,
-                elapsed_s=max(0.0, now - stall.begin_at),
-                session_known=stall.known,
-            )
+            self._gate_input(chain, stall.predicted_s, max(0.0, now - stall.begin_at), stall.known, now)
         )
         first = stall.decision is None
         if not first and decision.reason == "no_blocks":
@@ -579,45 +793,116 @@ class SchedulerSide:
         if not decision.offload:
             stall.next_eval = now + self.opts.reevaluate_s if decision.retryable else float("inf")
             return
+        try:
+            self._plan_offload(chain, stall_id=stall.stall_id, session_id=stall.session_id)
+        except HostPoolExhausted:
+            # Room may come back (other stalls end, copies finish): ask again, as for a gate "no".
+            stall.decision = "host_pool_full"
+            stall.next_eval = now + self.opts.reevaluate_s
+            self.stats.inc("stalls.decision.host_pool_full_at_alloc")
+            return
         stall.next_eval = float("inf")
-        # Host copies that already exist (an earlier turn's prefix) just get pinned for this stall.
+        # Host copies that already exist (an earlier turn's prefix, an early save) get pinned for
+        # this stall now; copies still in flight are pinned when they commit.
         for _i, _h, _dev, slot in chain:
             if slot is not None:
                 self.host.pin(slot, stall.stall_id)
-        todo = [(i, h, dev) for i, h, dev, slot in chain if slot is None and dev is not None]
-        if todo:
-            try:
-                slots = self.host.allocate(len(todo), stall.stall_id)
-            except HostPoolExhausted:
-                stall.decision = "host_pool_full"
-                self.stats.inc("stalls.decision.host_pool_full_at_alloc")
-                self.host.release(stall.stall_id)
-                return
-            blocks = [dev for _i, _h, dev in todo if dev is not None]
-            bp.pin(pool, blocks)
-            job = self._new_job(
-                "offload",
-                [h for _i, h, _d in todo],
-                [i for i, _h, _d in todo],
-                blocks,
-                slots,
-                stall_id=stall.stall_id,
-            )
-            job.device_owned = True
-            stall.offload_job = job.job_id
-            self._outbox.append(job.to_wire())
-            self.stats.inc("offload.jobs")
         stall.offloaded = True
         h2d = self.transfer.estimate("h2d", len(chain) * self.block_bytes)
         self.planner.begin(stall.stall_id, stall.session_id, stall.predicted_s, h2d, now=stall.begin_at)
         if not first:
             self.stats.inc("stalls.offload_after_retry")
+        if not self._offload_pending(stall):
+            self._demote(stall)
 
-    def _occupancy(self, pool: BlockPool, now: float) -> float:
-        """``bp.occupancy`` computed at most once per step (it is O(num_blocks))."""
-        if self._occ[0] != now:
-            self._occ = (now, bp.occupancy(pool))
-        return self._occ[1]
+    def observe_step(self, num_scheduled_tokens: int, now: float | None = None) -> None:
+        """Record one step's scheduled tokens (each needs KV: the rate at which blocks get allocated)."""
+        t = self.clock() if now is None else now
+        self._steps.append((t, max(0, int(num_scheduled_tokens))))
+        while self._steps and t - self._steps[0][0] > self.opts.churn_window_s:
+            self._steps.popleft()
+
+    def _alloc_rate(self, now: float) -> float:
+        """Blocks allocated per second over the recent window (0 when idle)."""
+        if not self._steps:
+            return 0.0
+        span = max(now - self._steps[0][0], 1.0)
+        return sum(n for _t, n in self._steps) / self.block_size / span
+
+    def _eviction_risk(self, chain: list, left_s: float, now: float) -> float:
+        """How likely the chain's idle device blocks are evicted before the session returns, in [0, 1].
+
+        vLLM evicts idle cached blocks from the front of its free queue. The session's blocks
+        survive while the allocations still to come stay below the free blocks queued ahead of
+        them. Expected allocations: the blocks the queued requests need, plus the measured rate
+        × the time left × ``churn_safety``, and at least one full step (a single prefill step can
+        take that many at once, between two of our checks). Risk = expected / blocks ahead, capped
+        at 1; blocks that are all in use (nothing idle to evict) are at no risk.
+
+        Neither vLLM's ``get_usage`` (ignores idle cached blocks: "no pressure" while a prefix is
+        about to go) nor the share of cached blocks (always "pressure" once the cache is warm)
+        answers this question; the session's place in the eviction queue does.
+        """
+        pool = self.pool
+        assert pool is not None
+        mine = {dev.block_id for _i, _h, dev, _s in chain if dev is not None and bp.is_idle_cached(dev)}
+        if not mine:
+            return 0.0
+        expected = sum(self._waiting.values()) + max(
+            self.opts.churn_safety * self._alloc_rate(now) * max(left_s, 0.0),
+            self.max_step_tokens / self.block_size,
+        )
+        # Walk only as far as the threshold can matter (the queue may hold 100k blocks on a GPU).
+        ahead = bp.blocks_ahead(pool, mine, limit=int(expected / max(self.gate.usage_threshold, 0.05)) + 1)
+        risk = 1.0 if ahead == 0 else min(1.0, expected / ahead)
+        self._last_risk = risk
+        return risk
+
+    # ---- eviction order
+    def _chain_blocks(self, stall: _Stall, *, on_host_only: bool) -> list[KVCacheBlock]:
+        """The stall's cached device blocks in eviction order (tail first, the head last)."""
+        assert self.pool is not None
+        out: list[KVCacheBlock] = []
+        for h in stall.hashes:
+            block = bp.cached_block(self.pool, h)
+            if block is None:
+                continue
+            if on_host_only and self.host.lookup(h) is None:
+                continue
+            out.append(block)
+        out.reverse()
+        return out
+
+    def _demote(self, stall: _Stall) -> None:
+        """Put the idle device blocks of an offloaded stall first in line for eviction.
+
+        vLLM's free queue is LRU, and a session that just went idle is its most recently used
+        entry: stock vLLM evicts the *active* sessions' prefixes first. Once a stalled session's
+        chain is safe on host its device copy is the cheapest thing to lose (a host → device copy
+        brings it back), so it goes to the front, the session that returns last ahead of the others
+        (KVFlow's steps-to-execution order, with time instead of steps). Only blocks with a ready host
+        copy move.
+        """
+        if not self.demote_enabled or self.pool is None or stall.stall_id not in self._stalls:
+            return
+        self._demoted.add(stall.stall_id)
+        order = sorted(
+            (s for s in (self._stalls.get(sid) for sid in self._demoted) if s is not None),
+            key=lambda s: s.returns_at,
+        )
+        moved = 0
+        for s in order:  # each batch goes in front of the previous one: the latest return ends first
+            moved += bp.reorder(self.pool, self._chain_blocks(s, on_host_only=True), first=True)
+        self.stats.inc("evict_order.demoted_blocks", moved)
+
+    def _promote(self, stall: _Stall) -> None:
+        """The session is about to run again: its idle device blocks go back to the safe end."""
+        if stall.stall_id not in self._demoted:
+            return
+        self._demoted.discard(stall.stall_id)
+        if self.demote_enabled and self.pool is not None:
+            moved = bp.reorder(self.pool, self._chain_blocks(stall, on_host_only=False), first=False)
+            self.stats.inc("evict_order.promoted_blocks", moved)
 
     def _tick_stall(self, stall: _Stall, now: float) -> None:
         if stall.next_eval <= now and stall.ended_at is None:
@@ -630,6 +915,7 @@ class SchedulerSide:
         )
         if not stall.offloaded and now - stall.begin_at >= expiry:  # offloaded: the planner expires it
             self._stalls.pop(stall.stall_id, None)
+            self._forget_active(stall)
             self.sessions.expire(stall.stall_id, "no_stall_end")
             self._expire(stall, "no_stall_end")
 
@@ -657,13 +943,25 @@ class SchedulerSide:
         return True
 
     def _try_prefetch(self, stall: _Stall, now: float) -> None:
-        """Bring the stall's missing chain blocks back into the device prefix cache (planner: due)."""
+        """Bring the stall's missing chain blocks back into the device prefix cache (planner: due).
+
+        Budget: the free blocks minus what must stay free — the larger of the reserve and the
+        blocks the queued requests need — so a prefetch never starves the queue, but a queue that
+        has its blocks does not stop it either. A budget smaller than the need prefetches the
+        chain's head (a usable prefix); demand load brings the rest.
+        """
         pool = self.pool
-        if pool is None or self._offload_pending(stall):
+        if pool is None:
+            return
+        self._promote(stall)  # blocks still on device must survive the allocation below
+        if self._offload_pending(stall):
             return  # stays due: retried once the offload is confirmed
         need: list[tuple[int, bytes, int]] = []
+        own_idle = 0
         for i, h in enumerate(stall.hashes):
-            if bp.cached_block(pool, h) is not None:
+            block = bp.cached_block(pool, h)
+            if block is not None:
+                own_idle += block.ref_cnt == 0
                 continue
             slot = self.host.lookup(h)
             if slot is None:
@@ -678,13 +976,19 @@ class SchedulerSide:
         reserve = max(
             self.opts.prefetch_reserve_blocks, int(self.opts.prefetch_reserve_frac * pool.num_gpu_blocks)
         )
-        if self._waiting or bp.num_free(pool) - len(need) < reserve:
+        queued = sum(self._waiting.values())
+        # Our own idle cached blocks are counted free by vLLM, but allocating them would break the chain.
+        budget = bp.num_free(pool) - own_idle - max(reserve, queued)
+        if budget <= 0:
             if stall.deferred == 0:
                 self.stats.inc(
-                    "prefetch.deferred.headroom" if not self._waiting else "prefetch.deferred.waiting"
+                    "prefetch.deferred.waiting" if queued > reserve else "prefetch.deferred.headroom"
                 )
             stall.deferred += 1
             return
+        if budget < len(need):
+            need = need[:budget]
+            self.stats.inc("prefetch.partial")
         blocks = bp.allocate(pool, len(need))
         job = self._new_job(
             "prefetch",
@@ -693,10 +997,12 @@ class SchedulerSide:
             blocks,
             [s for *_x, s in need],
             stall_id=stall.stall_id,
+            session_id=stall.session_id,
         )
         job.device_owned = True
         self.host.pin_many(job.slots, job.owner)
         stall.prefetch_job = job.job_id
+        self._prefetching[stall.session_id] = job.job_id
         self.planner.mark_started(stall.stall_id, now=now)
         self._outbox.append(job.to_wire())
         self.stats.inc("prefetch.jobs")
@@ -712,9 +1018,20 @@ class SchedulerSide:
         *,
         stall_id: str | None = None,
         req_id: str | None = None,
+        session_id: str | None = None,
     ) -> _Job:
         job = _Job(
-            self._next_job, kind, hashes, positions, blocks, list(slots), self.clock(), stall_id, req_id
+            self._next_job,
+            kind,
+            hashes,
+            positions,
+            blocks,
+            list(slots),
+            self.clock(),
+            stall_id,
+            req_id,
+            session_id,
+            self._generation,
         )
         self._next_job += 1
         self._jobs[job.job_id] = job
@@ -727,12 +1044,18 @@ class SchedulerSide:
             job = self._jobs.get(job_id)
             if job is None:
                 continue
-            job.reports += res.workers
-            if not res.ok:
-                job.reports = max(job.reports, self.num_workers)
-                self._complete(job, ok=False, seconds=res.seconds, error=res.error)
-            elif job.reports >= self.num_workers:
-                self._complete(job, ok=True, seconds=res.seconds, error=None)
+            try:
+                job.reports += res.workers
+                if not res.ok:
+                    job.reports = max(job.reports, self.num_workers)
+                    self._complete(job, ok=False, seconds=res.seconds, error=res.error)
+                elif job.reports >= self.num_workers:
+                    self._complete(job, ok=True, seconds=res.seconds, error=None)
+            except Exception:  # one bad completion must not strand the others of this batch
+                self.stats.inc("errors.complete")
+                log.exception("TokenCake: completing job %d failed", job_id)
+                self._jobs.pop(job_id, None)
+                self._release(job)
 
     def _complete(self, job: _Job, *, ok: bool, seconds: float, error: str | None) -> None:
         self._jobs.pop(job.job_id, None)
@@ -748,28 +1071,50 @@ class SchedulerSide:
         else:
             self.stats.inc(f"{kind}.failed")
             log.warning("TokenCake %s job %d failed: %s", kind, job.job_id, error)
+        stale = job.generation != self._generation
+        if stale:
+            self.stats.inc(f"{kind}.dropped_after_reset")
         try:
             if kind == "offload":
-                self._complete_offload(job, ok)
+                self._complete_offload(job, ok and not stale)
             elif kind == "prefetch":
-                self._complete_prefetch(job, ok)
+                self._complete_prefetch(job, ok and not stale)
             else:
                 self._complete_load(job, ok)
         finally:
             self._release(job)
+        if kind == "offload":
+            self._after_offload(job)
 
     def _complete_offload(self, job: _Job, ok: bool) -> None:
+        stall = self._active_stall(job.session_id)
         for h, block, slot in zip(job.hashes, job.device_blocks, job.slots, strict=True):
+            if self._filling.get(h) == job.job_id:
+                del self._filling[h]
             # The device block was pinned the whole time, so it must still hold this hash.
             if ok and bp.has_hash(block, h):
-                self.host.commit(h, slot)
+                used = self.host.commit(h, slot)
+                if stall is not None and stall.offloaded:
+                    self.host.pin(used, stall.stall_id)
             else:
                 if ok:
                     self.stats.inc("offload.hash_mismatch")
                 self.host.invalidate(slot)
 
+    def _after_offload(self, job: _Job) -> None:
+        """The device pins are gone: an offloaded stall whose chain is now all on host is demoted."""
+        stall = self._active_stall(job.session_id)
+        if stall is not None and stall.offloaded and not self._offload_pending(stall):
+            self._demote(stall)
+
+    def _active_stall(self, session_id: str | None) -> _Stall | None:
+        sid = self._session_stall.get(session_id or "")
+        return self._stalls.get(sid) if sid is not None else None
+
     def _complete_prefetch(self, job: _Job, ok: bool) -> None:
-        stall = self._stalls.get(job.stall_id or "") or self._ended.get(job.stall_id or "")
+        if job.session_id is not None and self._prefetching.get(job.session_id) == job.job_id:
+            del self._prefetching[job.session_id]
+        stall = self._stall(job.stall_id or "")
         published: list[bytes] = []
         if ok and self.pool is not None:
             for h, pos, block in zip(job.hashes, job.positions, job.device_blocks, strict=True):
@@ -798,6 +1143,13 @@ class SchedulerSide:
             return
         job.released = True
         self.host.release(job.owner)
+        if job.kind == "offload":
+            for h in job.hashes:
+                if self._filling.get(h) == job.job_id:
+                    del self._filling[h]
+        elif job.kind == "prefetch" and job.session_id is not None:
+            if self._prefetching.get(job.session_id) == job.job_id:
+                del self._prefetching[job.session_id]
         if job.device_owned and self.pool is not None:
             bp.release(self.pool, job.device_blocks)
 
@@ -823,9 +1175,13 @@ class SchedulerSide:
             "device_free_blocks": bp.num_free(pool) if pool is not None else None,
             "jobs_in_flight": len(self._jobs),
             "active_stalls": len(self._stalls),
+            "demoted_stalls": len(self._demoted),
             "block_size": self.block_size,
             "block_bytes": self.block_bytes,
             "prefetch_enabled": self.prefetch_enabled,
+            "demote_enabled": self.demote_enabled,
+            "last_eviction_risk": None if self._last_risk is None else round(self._last_risk, 4),
+            "alloc_blocks_per_s": round(self._alloc_rate(self.clock()), 3),
         }
 
     def _config_stats(self) -> dict[str, Any]:
@@ -833,6 +1189,8 @@ class SchedulerSide:
             "offload": self.opts.offload,
             "prefetch": self.opts.prefetch,
             "demand_load": self.opts.demand_load,
+            "early_save": self.opts.early_save,
+            "demote": self.opts.demote,
             "host_pool_blocks": self.host.num_blocks,
         }
 
@@ -842,4 +1200,4 @@ class SchedulerSide:
         self._jobs.clear()
 
 
-__all__ = ["Options", "SchedulerSide", "request_meta"]
+__all__ = ["READINESS", "Options", "SchedulerSide", "request_meta"]

@@ -1,0 +1,36 @@
+import math
+
+import pytest
+
+from tokencake.bench.intervals import mean_ci, t_critical
+
+
+def test_t_critical_table_and_conservative_lookup():
+    assert t_critical(1) == 12.706 and t_critical(2) == 4.303 and t_critical(30) == 2.042
+    assert t_critical(35) == t_critical(30)  # between listed df: the smaller df, a wider interval
+    assert t_critical(10_000) == 1.980
+    assert all(t_critical(df) > t_critical(df + 1) for df in range(1, 30))
+    with pytest.raises(ValueError):
+        t_critical(0)
+
+
+def test_mean_ci_by_hand():
+    # mean 2.5, sample sd sqrt(5/3), half width t(3) * sd / sqrt(4) = 3.182 * 1.29099 / 2
+    ci = mean_ci([1.0, 2.0, 3.0, 4.0])
+    assert ci["n"] == 4 and ci["mean"] == pytest.approx(2.5)
+    assert ci["sd"] == pytest.approx(1.290994, rel=1e-6)
+    assert ci["half_width"] == pytest.approx(2.053972, rel=1e-6)
+    assert ci["ci95"] == pytest.approx([2.5 - 2.053972, 2.5 + 2.053972], rel=1e-6)
+    assert ci["per_round"] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_mean_ci_skips_missing_rounds_and_needs_two():
+    ci = mean_ci([0.8, None, 0.9, math.nan])
+    assert ci["n"] == 2 and ci["mean"] == pytest.approx(0.85)
+    assert ci["half_width"] == pytest.approx(12.706 * 0.0707107 / math.sqrt(2), rel=1e-5)
+    assert ci["per_round"][1] is None
+    one = mean_ci([0.7])
+    assert one["mean"] == 0.7 and one["ci95"] is None and one["half_width"] is None
+    assert mean_ci([])["mean"] is None
+    flat = mean_ci([1.0, 1.0, 1.0])
+    assert flat["ci95"] == [1.0, 1.0]

@@ -1,0 +1,645 @@
+"""Scheduler-side connector logic against a real vLLM ``BlockPool`` (no engine, no model).
+
+Requests are stand-ins with the attributes the connector reads; the worker is simulated by
+answering each copy job with a :class:`TokenCakeWorkerMeta`. Every test ends by checking that
+no device block is left pinned (each allocation/pin paired with exactly one release).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.block_pool import BlockPool
+
+from tokencake.events import StallBegin, StallEnd
+from tokencake.serving.vllm import _blockpool as bp
+from tokencake.serving.vllm.metadata import JobResult, TokenCakeMetadata, TokenCakeWorkerMeta
+from tokencake.serving.vllm.scheduler_side import Options, SchedulerSide
+
+BS = 4  # tokens per block
+NUM_BLOCKS = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def chain(tag: str, n: int) -> list[bytes]:
+    out, prev = [], b""
+    for i in range(n):
+        prev = hashlib.sha256(prev + f"{tag}{i}".encode()).digest()
+        out.append(prev)
+    return out
+
+
+def request(
+    req_id: str,
+    hashes: list[bytes],
+    num_tokens: int,
+    session: str | None = "run:A",
+    next_tool: float | None = None,
+) -> Any:
+    """A stand-in request; ``next_tool`` = the predicted seconds of an announced tool call."""
+    meta: dict[str, Any] = {"session_id": session, "run_id": "run", "node": session or "A"}
+    if next_tool is not None:
+        meta["next_stall"] = {"tool": "search", "predicted_s": next_tool}
+    params = {"tokencake": meta} if session else None
+    return SimpleNamespace(
+        request_id=req_id,
+        block_hashes=hashes,
+        num_tokens=num_tokens,
+        num_computed_tokens=0,
+        kv_transfer_params=params,
+    )
+
+
+def begin(stall_id: str = "s1", session: str = "run:A", predicted: float | None = 10.0) -> StallBegin:
+    return StallBegin(
+        stall_id=stall_id,
+        session_id=session,
+        run_id="run",
+        node="A",
+        tool="search",
+        predicted_s=predicted,
+        ts=0,
+    )
+
+
+def end(stall_id: str = "s1", session: str = "run:A", duration: float = 1.0) -> StallEnd:
+    return StallEnd(
+        stall_id=stall_id,
+        session_id=session,
+        run_id="run",
+        node="A",
+        tool="search",
+        duration_s=duration,
+        ts=0,
+    )
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def pool() -> BlockPool:
+    return BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=BS)
+
+
+def make_side(pool: BlockPool, clock: Clock, host_blocks: int = 8, **opts: Any) -> SchedulerSide:
+    options = Options(usage_threshold=0.0, prefetch_reserve_frac=0.0, **opts)  # always "under pressure"
+    side = SchedulerSide(
+        block_size=BS, block_bytes=1000, num_host_blocks=host_blocks, options=options, clock=clock
+    )
+    side.bind_pool(pool)
+    return side
+
+
+def cache_blocks(pool: BlockPool, hashes: list[bytes]) -> list[Any]:
+    """Allocate one block per hash and cache it under that hash (what vLLM's allocate_slots does)."""
+    blocks = bp.allocate(pool, len(hashes))
+    for i, (b, h) in enumerate(zip(blocks, hashes, strict=True)):
+        bp.register(pool, b, h, (i + 1) * BS)
+    return blocks
+
+
+def finish_turn(
+    side: SchedulerSide,
+    pool: BlockPool,
+    hashes: list[bytes],
+    req_id: str = "r1",
+    *,
+    session: str = "run:A",
+    next_tool: float | None = None,
+) -> list[Any]:
+    """A request of ``session`` computed ``len(hashes)`` full blocks and finished (blocks cached)."""
+    req = request(req_id, hashes, len(hashes) * BS + 2, session=session, next_tool=next_tool)
+    side.on_new_request(req)
+    blocks = cache_blocks(pool, hashes)
+    req.num_computed_tokens = len(hashes) * BS + 1
+    side.request_finished(req)
+    bp.release(pool, blocks)  # vLLM frees the request's blocks right after the hook
+    return blocks
+
+
+def answer(side: SchedulerSide, meta: TokenCakeMetadata, ok: bool = True) -> None:
+    side.on_worker_meta(TokenCakeWorkerMeta({j.job_id: JobResult(ok, 0.001, 0) for j in meta.jobs}))
+
+
+def evict_all(pool: BlockPool) -> None:
+    bp.release(pool, bp.allocate(pool, bp.num_free(pool)))
+
+
+def assert_no_pins(pool: BlockPool) -> None:
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:]), [b for b in pool.blocks[1:] if b.ref_cnt]
+
+
+def test_offload_commits_after_confirmation_and_unpins(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    hashes = chain("a", 3)
+    blocks = finish_turn(side, pool, hashes)
+    ack = side.handle_event(begin())
+    assert ack.ok and ack.status == "recorded"
+    meta = side.build_meta()
+    (job,) = meta.jobs
+    assert job.kind == "offload" and job.device_blocks == [b.block_id for b in blocks]
+    assert all(b.ref_cnt == 1 for b in blocks)  # pinned while the copy runs
+    assert side.host.lookup(hashes[0]) is None  # not visible before the copy is confirmed
+    answer(side, meta)
+    assert all(side.host.lookup(h) is not None for h in hashes)
+    assert_no_pins(pool)
+    assert side.stats.counter("offload.blocks") == 3
+
+
+def test_failed_offload_leaves_nothing_on_host(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    hashes = chain("f", 2)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin())
+    answer(side, side.build_meta(), ok=False)
+    assert side.host.lookup(hashes[0]) is None and side.host.num_free == 8
+    assert side.stats.counter("offload.failed") == 1
+    assert_no_pins(pool)
+
+
+def test_demand_load_counts_host_hits_past_device_prefix(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("d", 4)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin())
+    answer(side, side.build_meta())
+    evict_all(pool)
+    side.handle_event(end())
+    side.build_meta()
+    # Next turn: 4 old blocks + 1 new block + 2 tokens; device has nothing, host has 4 blocks.
+    req = request("r2", [*hashes, *chain("new", 1)], 5 * BS + 2)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 4 * BS
+    # With one block already on device, only the next 3 come from the host.
+    assert side.get_num_new_matched_tokens(req, BS) == 3 * BS
+    side.get_num_new_matched_tokens(req, 0)
+    allocated = bp.allocate(pool, 6)
+    ids = [b.block_id for b in allocated]
+    side.update_state_after_alloc(req, ids, 4 * BS)
+    (job,) = side.build_meta().jobs
+    assert job.kind == "load" and job.device_blocks == ids[:4] and job.req_id == "r2"
+    assert job.host_slots == [side.host.lookup(h) for h in hashes]
+    answer(side, TokenCakeMetadata([job]))
+    assert side.stats.counter("tokens.from_host") == 4 * BS
+    assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 0
+    bp.release(pool, allocated)
+    assert_no_pins(pool)
+
+
+def test_demand_load_leaves_one_token_to_compute(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("e", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin())
+    answer(side, side.build_meta())
+    # A prompt that is exactly the 3 cached blocks: at most 2 may be loaded (a token must remain).
+    req = request("r2", hashes, 3 * BS)
+    assert side.get_num_new_matched_tokens(req, 0) == 2 * BS
+
+
+def test_prefetch_restores_the_device_prefix_cache(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    hashes = chain("p", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin(predicted=5.0))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    assert bp.cached_block(pool, hashes[0]) is None
+    assert side.build_meta().jobs == []  # not due yet
+    clock.t += 5.0  # predicted end reached (lead ≈ 0.25 s)
+    meta = side.build_meta()
+    (job,) = meta.jobs
+    assert job.kind == "prefetch" and len(job.device_blocks) == 3
+    assert bp.cached_block(pool, hashes[0]) is None  # published only after the copy
+    answer(side, meta)
+    found = [bp.cached_block(pool, h) for h in hashes]
+    assert all(b is not None for b in found)
+    assert [b.block_id for b in found] == job.device_blocks
+    assert_no_pins(pool)
+    # The session's next turn hits on device: on time, nothing recomputed.
+    side.handle_event(end())
+    side.build_meta()
+    req = request("r2", [*hashes, *chain("n", 1)], 4 * BS + 1)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 3 * BS) == 0
+    side.update_state_after_alloc(req, [], 0)
+    assert side.stats.counter("prefetch.on_time") == 1
+    assert side.stats.counter("next_turn.prefix_tokens_device") == 3 * BS
+
+
+def test_early_end_prefetches_at_once(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    hashes = chain("x", 2)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin(predicted=300.0))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    side.handle_event(end())
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch"
+    answer(side, TokenCakeMetadata([job]))
+    assert side.stats.counter("prefetch.triggered_by_end") == 1
+    assert_no_pins(pool)
+
+
+def _offloaded_and_evicted(side: SchedulerSide, pool: BlockPool, clock: Clock, n: int = 2) -> list[bytes]:
+    hashes = chain("h", n)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin(predicted=1.0))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    return hashes
+
+
+def test_prefetch_leaves_the_queue_the_blocks_it_needs(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    _offloaded_and_evicted(side, pool, clock)
+    # 15 usable blocks; a queued request that needs all of them: the prefetch waits.
+    side.on_new_request(request("big", chain("w", 1), 15 * BS, session=None))
+    clock.t += 2.0
+    assert side.build_meta().jobs == []
+    assert side.stats.counter("prefetch.deferred.waiting") == 1
+    # Once it is admitted, the prefetch goes even though other requests keep arriving.
+    side.update_state_after_alloc(request("big", chain("w", 1), 15 * BS, session=None), [], 0)
+    side.on_new_request(request("small", chain("s", 1), 9, session=None))
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch" and len(job.device_blocks) == 2
+
+
+def test_prefetch_brings_back_the_chain_head_when_room_is_short(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    hashes = _offloaded_and_evicted(side, pool, clock, n=3)
+    side.on_new_request(request("q", chain("w", 1), 13 * BS, session=None))  # leaves 2 of 15
+    clock.t += 2.0
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch" and len(job.device_blocks) == 2
+    answer(side, TokenCakeMetadata([job]))
+    assert bp.cached_block(pool, hashes[0]) is not None and bp.cached_block(pool, hashes[2]) is None
+    assert side.stats.counter("prefetch.partial") == 1
+    assert_no_pins(pool)
+
+
+def test_request_waits_for_its_prefetch_instead_of_loading_twice(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    hashes = _offloaded_and_evicted(side, pool, clock)
+    clock.t += 2.0
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch"
+    side.handle_event(end(duration=2.0))
+    req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) is None  # vLLM asks again next step
+    answer(side, TokenCakeMetadata([job]))
+    assert side.get_num_new_matched_tokens(req, 2 * BS) == 0  # now a device hit
+    side.update_state_after_alloc(req, [], 0)
+    assert side.stats.counter("readiness.eligible") == 1
+    assert side.stats.counter("readiness.loading") == 1
+    assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 0
+    assert_no_pins(pool)
+
+
+def test_unknown_session_and_too_small_host_pool(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, host_blocks=2)
+    ack = side.handle_event(begin(session="nobody:A"))
+    assert ack.decision == "unknown_session"
+    finish_turn(side, pool, chain("big", 4))
+    side.handle_event(begin(stall_id="s2"))
+    assert side.build_meta().jobs == []
+    assert side.stats.counter("stalls.decision.unknown_session") == 1
+    assert side.stats.counter("stalls.decision.host_pool_full") == 1
+    assert_no_pins(pool)
+
+
+def test_duplicate_and_out_of_order_events(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    assert side.handle_event(begin()).status == "recorded"
+    assert side.handle_event(begin()).status == "duplicate"
+    assert side.handle_event(end(stall_id="zzz")).reason == "unknown_stall"
+
+
+def test_plan_failure_reports_invalid_blocks(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    req = request("r9", chain("q", 3), 13)
+    side.fail_load(req, [5, 6, 7, 8], 2 * BS)
+    (job,) = side.build_meta().jobs
+    assert job.invalid and job.device_blocks == [5, 6]
+
+
+def test_unconfirmed_jobs_time_out_and_release(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    finish_turn(side, pool, chain("t", 2))
+    side.handle_event(begin())
+    side.build_meta()
+    assert side.has_pending_work()
+    clock.t += 120
+    side.build_meta()
+    assert side.stats.counter("jobs.timed_out") == 1 and not side._jobs
+    assert_no_pins(pool)
+
+
+def test_stall_without_end_expires(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    finish_turn(side, pool, chain("z", 2))
+    side.handle_event(begin(predicted=1.0))
+    answer(side, side.build_meta())
+    assert side.host.num_reclaimable == 0  # pinned by the active stall
+    clock.t += 61
+    side.build_meta()
+    assert side.stats.counter("stalls.expired.no_stall_end") == 1
+    assert side.host.num_reclaimable == 2
+
+
+def test_blocks_lost_while_waiting_keep_the_waiting_reason(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, host_blocks=1)
+    finish_turn(side, pool, chain("w", 3))
+    side.handle_event(begin(predicted=60.0))
+    side.build_meta()
+    assert side.stats.counter("stalls.decision.host_pool_full") == 1
+    evict_all(pool)  # other traffic evicts the blocks while the gate waits for room
+    clock.t += 1.0
+    side.build_meta()
+    side.handle_event(end())
+    side.build_meta()
+    assert side.stats.counter("stalls.lost_while_waiting.host_pool_full") == 1
+    assert side.stats.counter("stalls.final_decision.host_pool_full") == 1
+    assert_no_pins(pool)
+
+
+def test_a_failing_policy_step_still_ships_planned_loads(
+    pool: BlockPool, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    side = make_side(pool, clock)
+    req = request("r1", chain("l", 2), 9)
+    side.fail_load(req, [3, 4], BS)
+
+    def boom(now: float) -> None:
+        raise RuntimeError("policy bug")
+
+    monkeypatch.setattr(side, "_step", boom)
+    (job,) = side.build_meta().jobs
+    assert job.invalid and side.stats.counter("errors.step") == 1
+
+
+def test_requests_without_metadata_are_not_tracked(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    req = request("plain", chain("p", 2), 9, session=None)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 0
+    req.num_computed_tokens = 9
+    side.request_finished(req)
+    assert side.sessions.stats()["sessions"] == 0
+
+
+# ------------------------------------------------------------------ issue-9 regressions
+
+
+def test_offload_of_blocks_hashed_this_step_commits_the_forward_kv(pool: BlockPool, clock: Clock) -> None:
+    """Stale KV: A's chain was evicted; B re-allocates the same prefix this step (hashed before its
+    forward) while A's stall begins. The offload must copy B's blocks after B's forward."""
+    torch = pytest.importorskip("torch")
+    from tokencake.serving.vllm.worker import WorkerSide
+
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("shared", 3)
+    finish_turn(side, pool, hashes)
+    evict_all(pool)  # A's blocks are gone, nothing on host (the gate never ran)
+    caches = {"l0": torch.zeros((NUM_BLOCKS, 2, BS, 4), dtype=torch.bfloat16)}
+    worker = WorkerSide(NUM_BLOCKS, 8)
+    worker.register_kv_caches(caches)
+    # Step N: vLLM allocates B's blocks and caches their hashes (allocate_slots → cache_blocks) …
+    b_blocks = cache_blocks(pool, hashes)
+    # … and A's stall_begin is handled in the same step's build_connector_meta.
+    side.handle_event(begin())
+    meta = side.build_meta()
+    (job,) = meta.jobs
+    assert job.kind == "offload" and job.device_blocks == [b.block_id for b in b_blocks]
+    worker.start_jobs(meta)  # start_load_kv (before the forward in a step with sync loads)
+    ids = [b.block_id for b in b_blocks]
+    computed = torch.arange(3 * 2 * BS * 4, dtype=torch.float32).reshape(3, 2, BS, 4).to(torch.bfloat16)
+    caches["l0"][ids] = computed  # the forward writes B's KV
+    worker.start_saves()  # wait_for_save
+    side.on_worker_meta(worker.take_results())
+    slots = [side.host.lookup(h) for h in hashes]
+    assert None not in slots
+    assert torch.equal(worker.copier.host_tensors[0][slots], computed)
+    bp.release(pool, b_blocks)
+    assert_no_pins(pool)
+
+
+def test_offloaded_session_is_evicted_first_latest_return_first(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    a = chain("a", 2)
+    finish_turn(side, pool, a, req_id="ra")
+    b = chain("b", 2)
+    finish_turn(side, pool, b, req_id="rb", session="run:B")
+    c = chain("c", 2)  # an active session's cached prefix, idle for a moment
+    bp.release(pool, cache_blocks(pool, c))
+    side.handle_event(begin("sa", "run:A", predicted=5.0))
+    side.handle_event(begin("sb", "run:B", predicted=50.0))
+    answer(side, side.build_meta())
+    rank = bp.eviction_rank(pool)
+    pos = {
+        name: [rank[bp.cached_block(pool, h).block_id] for h in hs]
+        for name, hs in (("a", a), ("b", b), ("c", c))
+    }
+    # B returns last: its blocks go first (tail before head), then A's; the active prefix C last.
+    assert pos["b"] == [1, 0] and pos["a"] == [3, 2]
+    assert min(pos["c"]) > 3
+    assert side.stats.counter("evict_order.demoted_blocks") >= 4
+    # A's tool returns: its blocks go back to the safe end, B stays first in line.
+    side.handle_event(end("sa", "run:A"))
+    side.build_meta()
+    rank = bp.eviction_rank(pool)
+    assert rank[bp.cached_block(pool, b[1]).block_id] == 0
+    assert min(rank[bp.cached_block(pool, h).block_id] for h in a) > max(
+        rank[bp.cached_block(pool, h).block_id] for h in c
+    )
+    assert_no_pins(pool)
+
+
+def test_early_save_keeps_the_tail_that_eviction_would_take(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("t", 4)
+    finish_turn(side, pool, hashes, next_tool=10.0)  # the request announced a 10 s tool call
+    (job,) = (meta := side.build_meta()).jobs
+    assert job.kind == "offload" and len(job.device_blocks) == 4
+    evict_all(pool)  # pressure before stall_begin reaches the engine: the pinned blocks survive
+    assert all(bp.cached_block(pool, h) is not None for h in hashes)
+    answer(side, meta)
+    evict_all(pool)
+    side.handle_event(begin(predicted=10.0))
+    side.build_meta()
+    assert side.stats.counter("early_save.jobs") == 1
+    assert side.stats.counter("stalls.decision.already_on_host") == 1
+    assert all(side.host.lookup(h) is not None for h in hashes)  # the whole chain, tail included
+    side.handle_event(end())
+    side.build_meta()
+    nxt = request("r2", [*hashes, *chain("n", 1)], 5 * BS + 1)
+    side.on_new_request(nxt)
+    assert side.get_num_new_matched_tokens(nxt, 0) == 4 * BS
+    assert_no_pins(pool)
+
+
+def test_stall_begin_during_early_save_does_not_copy_twice(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("u", 3)
+    blocks = finish_turn(side, pool, hashes, next_tool=10.0)
+    side.handle_event(begin(predicted=10.0))
+    meta = side.build_meta()
+    assert [j.kind for j in meta.jobs] == ["offload"]  # the early save only
+    answer(side, meta)
+    # Committed while the stall was active: pinned for it, and the idle blocks demoted.
+    assert all("s1" in side.host.owners(side.host.lookup(h)) for h in hashes)
+    assert bp.eviction_rank(pool)[blocks[2].block_id] == 0
+    assert_no_pins(pool)
+
+
+def test_reset_cache_drops_host_copies_and_copies_in_flight(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    old = chain("old", 2)
+    finish_turn(side, pool, old)
+    side.handle_event(begin())
+    answer(side, side.build_meta())
+    assert side.host.lookup(old[0]) is not None
+    fresh = chain("fresh", 2)
+    finish_turn(side, pool, fresh, req_id="r2")
+    side.handle_event(begin("s2"))
+    in_flight = side.build_meta()  # an offload planned before the reset …
+    assert side.reset_cache() is True
+    answer(side, in_flight)  # … confirmed after it: committed nothing
+    assert side.host.lookup(old[0]) is None and side.host.lookup(fresh[0]) is None
+    req = request("r3", [*old, *chain("n", 1)], 3 * BS + 1)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 0  # recompute, never the old KV
+    assert side.stats.counter("offload.dropped_after_reset") == 1
+    assert side.host.num_ready == 0
+    assert_no_pins(pool)
+
+
+def test_host_pool_full_at_allocation_is_asked_again(
+    pool: BlockPool, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    side = make_side(pool, clock, prefetch=False, host_blocks=4)
+    hashes = chain("k", 3)
+    finish_turn(side, pool, hashes)
+    real = side.host.allocate
+    calls = {"n": 0}
+
+    def full_once(n: int, owner: str) -> list[int]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            from tokencake.serving.host_pool import HostPoolExhausted
+
+            raise HostPoolExhausted("raced")
+        return real(n, owner)
+
+    monkeypatch.setattr(side.host, "allocate", full_once)
+    side.handle_event(begin())
+    assert side.build_meta().jobs == []
+    assert side.stats.counter("stalls.decision.host_pool_full_at_alloc") == 1
+    clock.t += 1.0
+    (job,) = side.build_meta().jobs  # re-evaluated, not parked forever
+    answer(side, TokenCakeMetadata([job]))
+    assert all(side.host.lookup(h) is not None for h in hashes)
+    assert_no_pins(pool)
+
+
+def test_one_failing_completion_does_not_strand_the_batch(
+    pool: BlockPool, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    a, b = chain("a", 2), chain("b", 2)
+    finish_turn(side, pool, a, req_id="ra")
+    finish_turn(side, pool, b, req_id="rb", session="run:B")
+    side.handle_event(begin("sa", "run:A"))
+    side.handle_event(begin("sb", "run:B"))
+    meta = side.build_meta()
+    assert len(meta.jobs) == 2
+    real = side._complete_offload
+
+    def flaky(job: Any, ok: bool) -> None:
+        if job.session_id == "run:A":
+            raise RuntimeError("bug")
+        real(job, ok)
+
+    monkeypatch.setattr(side, "_complete_offload", flaky)
+    answer(side, meta)
+    assert side.stats.counter("errors.complete") == 1
+    assert all(side.host.lookup(h) is not None for h in b)  # B's good copy was not lost
+    assert not side._jobs
+    assert_no_pins(pool)
+
+
+def test_pressure_is_the_risk_of_eviction_not_a_warm_cache(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    side.gate.usage_threshold = 0.5
+    side.max_step_tokens = 2 * BS  # one step allocates at most 2 blocks
+    # 10 of 15 blocks hold finished, idle prefixes (a warm cache): that alone is no pressure, since
+    # all 15 free blocks are evicted before A's, which were used last.
+    bp.release(pool, cache_blocks(pool, chain("warm", 10)))
+    finish_turn(side, pool, chain("a", 2))
+    side.handle_event(begin(predicted=10.0))
+    side.build_meta()
+    assert side.stats.counter("stalls.decision.no_pressure") == 1
+    # A queued request needing 8 blocks: 8 + 2 expected of 15 ahead -> risk 0.67: offload.
+    side.on_new_request(request("q", chain("q", 1), 8 * BS, session=None))
+    clock.t += 1.0
+    (job,) = side.build_meta().jobs
+    assert job.kind == "offload"
+    answer(side, TokenCakeMetadata([job]))
+    assert_no_pins(pool)
+
+
+def test_allocation_rate_times_the_stall_makes_pressure(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    side.gate.usage_threshold = 0.5
+    side.max_step_tokens = BS
+    finish_turn(side, pool, chain("a", 2))
+    side.handle_event(begin(predicted=10.0))
+    side.build_meta()
+    assert side.stats.counter("stalls.decision.no_pressure") == 1  # an idle engine evicts nothing
+    for _ in range(5):  # other traffic: 2 blocks/s -> 2 x 2/s x ~9 s left >> 13 blocks ahead
+        clock.t += 0.5
+        side.observe_step(BS)
+    (job,) = side.build_meta().jobs
+    assert job.kind == "offload" and side.stats.counter("stalls.offload_after_retry") == 1
+    answer(side, TokenCakeMetadata([job]))
+    assert_no_pins(pool)
+
+
+def test_a_slow_prefetch_is_not_waited_for_forever(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    hashes = _offloaded_and_evicted(side, pool, clock)
+    clock.t += 2.0
+    (job,) = side.build_meta().jobs
+    req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) is None
+    clock.t += side.opts.prefetch_wait_s + 0.1  # the copy is still not confirmed
+    assert side.get_num_new_matched_tokens(req, 0) == 2 * BS  # demand load takes over
+    loaded = bp.allocate(pool, 3)
+    side.update_state_after_alloc(req, [b.block_id for b in loaded], 2 * BS)
+    for i, (b, h) in enumerate(zip(loaded[:2], hashes, strict=True)):
+        bp.register(pool, b, h, (i + 1) * BS)  # vLLM caches the loaded blocks
+    answer(side, side.build_meta())  # the load …
+    answer(side, TokenCakeMetadata([job]))  # … and the late prefetch: not published twice
+    assert side.stats.counter("prefetch.duplicate_blocks") == 2
+    assert side.stats.counter("demand_load.gave_up_waiting") == 1
+    bp.release(pool, loaded)
+    assert_no_pins(pool)

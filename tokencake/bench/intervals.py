@@ -1,0 +1,81 @@
+"""95 % confidence intervals over benchmark rounds (Student t), without scipy.
+
+With ``--repeat N`` every headline number is measured once per round. Rounds are few (2-5), so the
+interval uses Student's t with N − 1 degrees of freedom rather than the normal 1.96: with 3 rounds the
+half width is 4.30 × s / √3, which is honest about how little three runs pin down. The critical values
+are the two-sided 95 % quantiles t₀.₉₇₅ (a fixed table; scipy is not a dependency).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+#: t₀.₉₇₅ by degrees of freedom (two-sided 95 %); beyond 30 the next smaller listed df is used, which
+#: widens the interval slightly (conservative).
+T_975: dict[int, float] = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    11: 2.201,
+    12: 2.179,
+    13: 2.160,
+    14: 2.145,
+    15: 2.131,
+    16: 2.120,
+    17: 2.110,
+    18: 2.101,
+    19: 2.093,
+    20: 2.086,
+    21: 2.080,
+    22: 2.074,
+    23: 2.069,
+    24: 2.064,
+    25: 2.060,
+    26: 2.056,
+    27: 2.052,
+    28: 2.048,
+    29: 2.045,
+    30: 2.042,
+    40: 2.021,
+    60: 2.000,
+    120: 1.980,
+}
+
+
+def t_critical(df: int) -> float:
+    """Two-sided 95 % Student-t critical value for ``df`` >= 1 degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    return T_975[max(k for k in T_975 if k <= df)]
+
+
+def mean_ci(values: Iterable[float | None]) -> dict[str, Any]:
+    """Mean of the per-round values with its 95 % t interval; None entries (not measured) are skipped.
+
+    Returns ``per_round`` (as given), ``n``, ``mean``, ``sd`` (sample, n − 1), ``half_width`` and
+    ``ci95`` ``[low, high]``; the interval fields are None with fewer than two values.
+    """
+    given = list(values)
+    data = [float(v) for v in given if v is not None and not math.isnan(v)]
+    n = len(data)
+    out: dict[str, Any] = {"per_round": given, "n": n, "mean": None, "sd": None, "half_width": None}
+    out["ci95"] = None
+    if not n:
+        return out
+    mean = sum(data) / n
+    out["mean"] = mean
+    if n < 2:
+        return out
+    sd = math.sqrt(sum((x - mean) ** 2 for x in data) / (n - 1))
+    half = t_critical(n - 1) * sd / math.sqrt(n)
+    out.update(sd=sd, half_width=half, ci95=[mean - half, mean + half])
+    return out
