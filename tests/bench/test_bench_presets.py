@@ -103,3 +103,10 @@ def test_overrides_apply():
     assert mixed.server.ideal_blocks is None
     with pytest.raises(ValueError):
         presets.build("stress", Overrides(workers=0))
+
+
+def test_points_subset():
+    cfg = presets.build("stress", Overrides(points=["shared"]))
+    assert [p.label for p in cfg.points] == ["shared"]
+    with pytest.raises(ValueError, match="unknown stress point"):
+        presets.build("stress", Overrides(points=["nope"]))

@@ -60,6 +60,8 @@ class Overrides:
     fixed_order: bool = False
     #: Worker agents per app (``stress``).
     workers: int | None = None
+    #: Subset of the preset's point labels (``stress``: ``hetero``, ``shared``); None = all.
+    points: list[str] | None = None
     #: App name -> weight; replaces the preset's app mix (catalog names or a synthetic app).
     mix: dict[str, float] | None = None
     extra_server_args: list[str] = field(default_factory=list)
@@ -67,6 +69,31 @@ class Overrides:
 
 def _pick(value, default):
     return default if value is None else value
+
+
+def _config(
+    preset: str,
+    o: Overrides,
+    *,
+    points: list[Point],
+    server: ServerConfig,
+    kv_interval_s: float,
+    app_timeout_s: float,
+    description: str,
+) -> BenchConfig:
+    """What every preset shares: systems, interleaved shuffled repeats, overridable sampling interval."""
+    return BenchConfig(
+        preset=preset,
+        points=points,
+        systems=resolve_systems(o.systems),
+        server=server,
+        kv_interval_s=_pick(o.kv_interval_s, kv_interval_s),
+        app_timeout_s=app_timeout_s,
+        repeat=o.repeat,
+        shuffle_systems=not o.fixed_order,
+        order_seed=o.seed,
+        description=description,
+    )
 
 
 def _blocks_for_contexts(sessions: int, spec: MultiTurnSpec) -> int:
@@ -132,16 +159,13 @@ def _multi_turn(
         host_pool_blocks=_pick(o.host_pool_blocks, 2 * _blocks_for_contexts(concurrency, spec)),
         extra_args=tuple(o.extra_server_args),
     )
-    return BenchConfig(
-        preset=name,
+    return _config(
+        name,
+        o,
         points=points,
-        systems=resolve_systems(o.systems),
         server=server,
-        kv_interval_s=_pick(o.kv_interval_s, 0.5),
+        kv_interval_s=0.5,
         app_timeout_s=900.0,
-        repeat=o.repeat,
-        shuffle_systems=not o.fixed_order,
-        order_seed=o.seed,
         description=(
             f"{purpose}: {num_apps} "
             + (
@@ -236,8 +260,15 @@ def stress(o: Overrides) -> BenchConfig:
     rates = o.rates or [STRESS_RATE]
     arrival = _pick(o.arrival, "poisson")
     max_tokens = _pick(o.max_tokens, 24)
+    chosen = STRESS_POINTS
+    if o.points:
+        unknown = sorted(set(o.points) - {label for label, *_ in STRESS_POINTS})
+        if unknown:
+            known = ", ".join(label for label, *_ in STRESS_POINTS)
+            raise ValueError(f"unknown stress point(s) {', '.join(unknown)}; choose from {known}")
+        chosen = tuple(p for p in STRESS_POINTS if p[0] in o.points)
     points: list[Point] = []
-    for label, shared, private in STRESS_POINTS:
+    for label, shared, private in chosen:
         params = {
             "workers": _pick(o.workers, 3),
             "turns": [o.turns, o.turns] if o.turns else [3, 5],
@@ -281,16 +312,13 @@ def stress(o: Overrides) -> BenchConfig:
         else f"{first.arrival} arrivals at {', '.join(f'{r:g}' for r in rates)}/s"
     )
     _, shared_share, private_share = STRESS_POINTS[1]
-    return BenchConfig(
-        preset="stress",
+    return _config(
+        "stress",
+        o,
         points=points,
-        systems=resolve_systems(o.systems),
         server=server,
-        kv_interval_s=_pick(o.kv_interval_s, 0.5),
+        kv_interval_s=0.5,
         app_timeout_s=900.0,
-        repeat=o.repeat,
-        shuffle_systems=not o.fixed_order,
-        order_seed=o.seed,
         description=(
             f"stress: {num_apps} "
             + (
@@ -341,16 +369,13 @@ def paper(o: Overrides) -> BenchConfig:
         host_pool_blocks=_pick(o.host_pool_blocks, 512),
         extra_args=tuple(o.extra_server_args),
     )
-    return BenchConfig(
-        preset="paper",
+    return _config(
+        "paper",
+        o,
         points=points,
-        systems=resolve_systems(o.systems),
         server=server,
-        kv_interval_s=_pick(o.kv_interval_s, 1.0),
+        kv_interval_s=1.0,
         app_timeout_s=3600.0,
-        repeat=o.repeat,
-        shuffle_systems=not o.fixed_order,
-        order_seed=o.seed,
         description=(
             f"paper: Code-Writer + Deep-Research (catalog), {num_apps} apps per point, "
             f"{_pick(o.latency, 'paper')} tool times, Poisson arrivals at "

@@ -67,6 +67,7 @@ def register(subparsers: Any) -> None:
         help="synthetic tool duration: SECONDS or LOW,HIGH (stress: the lognormal median, or LOW,HIGH's mid)",
     )
     g.add_argument("--workers", type=int, help="worker agents per app (stress; default 3)")
+    g.add_argument("--points", help="comma-separated subset of the preset's points (stress: hetero,shared)")
     s = p.add_argument_group("server overrides")
     s.add_argument("--device-blocks", type=int, help="device KV blocks of baseline/tokencake (default 40)")
     s.add_argument("--ideal-blocks", type=int, help="device KV blocks of the ideal system")
@@ -149,6 +150,7 @@ def overrides_from(args: argparse.Namespace) -> Any:
         repeat=args.repeat,
         fixed_order=args.fixed_order,
         workers=args.workers,
+        points=[x.strip() for x in args.points.split(",") if x.strip()] if args.points else None,
         mix=_mix(args.mix),
         extra_server_args=list(args.server_arg),
     )
