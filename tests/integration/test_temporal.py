@@ -314,33 +314,23 @@ def test_agents_sharing_a_long_system_prompt(servers: tuple[Server, Server]) -> 
             "next_stall": {"tool": "search", "predicted_s": 2.0} if turn == 0 else None,
         }
 
+    def stall(n: str) -> dict[str, Any]:
+        return {
+            "stall_id": f"{run_id}-{n}",
+            "session_id": f"{run_id}:{n}",
+            "run_id": run_id,
+            "node": n,
+            "tool": "search",
+        }
+
     replies: dict[str, list[str]] = {n: [] for n in names}
     stats_before = ext.stats()
     for n in names:  # turn 0 of each agent, then its tool call begins
         replies[n].append(chat(ext, convs[n], meta(n, 0))["text"])
-        event(
-            ext,
-            "stall_begin",
-            stall_id=f"{run_id}-{n}",
-            session_id=f"{run_id}:{n}",
-            run_id=run_id,
-            node=n,
-            tool="search",
-            agent_type="analyst",
-            predicted_s=2.0,
-        )
+        event(ext, "stall_begin", **stall(n), agent_type="analyst", predicted_s=2.0)
     other_traffic(ext, run_id, n=4)
     for n in names:
-        event(
-            ext,
-            "stall_end",
-            stall_id=f"{run_id}-{n}",
-            session_id=f"{run_id}:{n}",
-            run_id=run_id,
-            node=n,
-            tool="search",
-            duration_s=2.0,
-        )
+        event(ext, "stall_end", **stall(n), duration_s=2.0)
         convs[n] += [{"role": "assistant", "content": replies[n][0]}, {"role": "user", "content": "Shorter."}]
         replies[n].append(chat(ext, convs[n], meta(n, 1))["text"])
     stats = ext.stats()
