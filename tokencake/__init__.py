@@ -1,7 +1,9 @@
 """TokenCake: multi-agent apps as DAGs, with a vLLM extension that parks KV cache during tool calls.
 
-``import tokencake as tc`` gives the SDK (``tc.App``, ``tc.LLM``, ``tc.ScriptedLLM``, ...) and the
-wire format module ``tc.events``.
+``import tokencake as tc`` gives the SDK (``tc.App``, ``tc.LLM``, ``tc.ScriptedLLM``, ...), the
+integration layer for other clients and frameworks (``tc.Session``, ``tc.stall``,
+``tc.request_metadata``, ``tc.TokenCakeTransport``, ``tc.openai_client``) and the wire format module
+``tc.events``.
 """
 
 from . import events
@@ -12,24 +14,36 @@ from .agents import (
     AppDefinitionError,
     Context,
     HttpStallReporter,
+    LLMConnectionError,
     LLMReply,
+    LLMStream,
     MissingInput,
     Node,
     NodeFailed,
     NodeResult,
+    OTelObserver,
+    OutputValidationError,
+    Retry,
     RunEvent,
     RunResult,
+    RunStream,
     RunTimeout,
     ScriptedLLM,
     ScriptedRequest,
+    Session,
     StallHook,
     StallRecorder,
+    StallScope,
+    TokenCakeTransport,
     Tool,
     ToolArgumentsError,
     ToolCall,
     ToolError,
     ToolTimeout,
     Usage,
+    openai_client,
+    request_metadata,
+    stall,
 )
 
 __all__ = [
@@ -38,18 +52,27 @@ __all__ = [
     "AppDefinitionError",
     "Context",
     "HttpStallReporter",
+    "LLMConnectionError",
     "LLMReply",
+    "LLMStream",
     "MissingInput",
     "Node",
     "NodeFailed",
     "NodeResult",
+    "OTelObserver",
+    "OutputValidationError",
+    "Retry",
     "RunEvent",
     "RunResult",
+    "RunStream",
     "RunTimeout",
     "ScriptedLLM",
     "ScriptedRequest",
+    "Session",
     "StallHook",
     "StallRecorder",
+    "StallScope",
+    "TokenCakeTransport",
     "Tool",
     "ToolArgumentsError",
     "ToolCall",
@@ -58,4 +81,7 @@ __all__ = [
     "Usage",
     "__version__",
     "events",
+    "openai_client",
+    "request_metadata",
+    "stall",
 ]

@@ -74,6 +74,18 @@ def test_server_kwargs_refuse_flags_the_launcher_cannot_express():
     assert server_kwargs(pf, config, Direct)["prefetch"] is False
 
 
+def test_priority_controls_are_stock_vllm_with_the_priority_scheduler():
+    config = ServerConfig(device_blocks=40, ideal_blocks=300, extra_args=("--seed", "1"))
+    base, bp_, ip = resolve_systems(["baseline", "baseline-priority", "ideal-priority"])
+    assert "extra_args" not in server_kwargs(base, ServerConfig(), object)
+    kw = server_kwargs(bp_, config, object)
+    assert kw["baseline"] is True and kw["num_gpu_blocks"] == 40
+    assert kw["extra_args"] == ("--seed", "1", "--scheduling-policy", "priority")
+    kw = server_kwargs(ip, config, object)
+    assert kw["num_gpu_blocks"] == 300 and kw["extra_args"][-2:] == ("--scheduling-policy", "priority")
+    assert ip.to_dict()["priority"] is True and base.to_dict()["priority"] is False
+
+
 def test_report_mode_rerenders_stored_results(tmp_path, capsys):
     results = {
         "schema_version": 1,

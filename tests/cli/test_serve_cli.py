@@ -126,10 +126,36 @@ def test_missing_vllm(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
         (["--port", "70000"], "out of range"),
         (["--num-gpu-blocks", "0"], "--num-gpu-blocks must be >= 1"),
         (["--kv-cache-gib", "-1"], "--kv-cache-gib must be > 0"),
+        (["--events-port", "70000"], "--events-port 70000 is out of range"),
+        (["--port", "65535"], "events port 65536 is out of range"),
     ],
 )
 def test_bad_numbers(cpu: None, capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
     assert message in _one_error_line(capsys, main(["serve", *flags]))
+
+
+def test_host_alone_does_not_expose_events(cpu: None) -> None:
+    server = serve_cli.build_server(build_parser().parse_args(["serve", "--host", "0.0.0.0"]))
+    assert server.host == "0.0.0.0"
+    assert server.events_host == "127.0.0.1"
+    exposed = serve_cli.build_server(
+        build_parser().parse_args(["serve", "--events-host", "0.0.0.0", "--api-key", "k"])
+    )
+    assert exposed.events_host == "0.0.0.0"
+
+
+def test_exposed_events_without_a_key_is_one_line(cpu: None, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _one_error_line(capsys, main(["serve", "--port", "0", "--events-host", "0.0.0.0"]))
+    assert "--events-host 0.0.0.0" in err and "--api-key" in err
+
+
+def test_key_from_the_environment_stays_out_of_argv(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENCAKE_API_KEY", "sk-env-secret")
+    server = serve_cli.build_server(build_parser().parse_args(["serve"]))
+    server.resolved = srvmod.ResolvedModel("/m", "m")
+    assert server.api_key == "sk-env-secret"
+    assert "sk-env-secret" not in " ".join(server.command())
+    assert server.child_env()["VLLM_API_KEY"] == "sk-env-secret"
 
 
 def test_model_path(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -196,6 +222,11 @@ def test_cli_error_is_one_line_in_a_real_process(tmp_path: Path) -> None:
         timeout=120,
     )
     assert res.returncode == 2
-    assert res.stderr.strip().splitlines() == [
-        f"tokencake: error: --model {tmp_path / 'missing'}: no such model directory"
-    ]
+    # A dev-only install (no vLLM) stops at the first check, which is one line too.
+    expected = (
+        f"--model {tmp_path / 'missing'}: no such model directory"
+        if srvmod.vllm_installed()
+        else "vLLM is not installed in this environment: run `make venv`"
+    )
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tokencake: error: {expected}"), lines

@@ -11,13 +11,16 @@ import os
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from tokencake.serving.server import vllm_installed
 
 
 def _vllm_children() -> set[int]:
+    # psutil comes with vLLM, not with `.[dev]`: importing it here keeps a dev-only install's
+    # `pytest -m "not integration"` collecting (this test needs the serve stack anyway).
+    import psutil
+
     found = set()
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(proc.info.get("cmdline") or [])

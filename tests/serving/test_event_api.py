@@ -225,3 +225,106 @@ def test_http_status_mapping() -> None:
     assert http_status(EventAck(ok=True, status="duplicate")) == 200
     assert http_status(EventAck(ok=False, status="rejected", reason="stall_conflict")) == 409
     assert http_status(EventAck(ok=False, status="rejected", reason="something_new")) == 400
+
+
+# ------------------------------------------------------------------ exposure and overload (issue 14)
+
+
+def _process_threads() -> int:
+    return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+
+def test_busy_connections_over_the_cap_get_a_fast_503() -> None:
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+
+    def slow(event: StallBegin | StallEnd) -> EventAck:
+        entered.release()
+        release.wait(10)
+        return EventAck(ok=True, status="recorded")
+
+    statuses: list[int] = []
+    with EventServer("127.0.0.1", 0, slow, max_connections=3) as srv:
+
+        def post(k: int) -> None:
+            r = httpx.post(f"{srv.url}/v1/events", json={**BEGIN, "stall_id": f"b{k}"}, timeout=10)
+            statuses.append(r.status_code)
+
+        busy = [threading.Thread(target=post, args=(k,)) for k in range(3)]
+        for t in busy:
+            t.start()
+        for _ in busy:
+            assert entered.acquire(timeout=5)
+        t0 = time.perf_counter()
+        try:
+            r = httpx.get(f"{srv.url}/health", timeout=3)
+            assert (r.status_code, r.json()["reason"]) == (503, "unavailable")
+        except httpx.TransportError:
+            pass  # refused before the request arrived: also acceptable, as long as it is fast
+        assert time.perf_counter() - t0 < 1.0
+        assert srv.metrics.snapshot()["counters"]["connections.refused"] >= 1
+        release.set()
+        for t in busy:
+            t.join(10)
+        assert statuses == [200, 200, 200]
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # serves again once they finish
+
+
+def test_idle_connections_are_shed_and_threads_stay_bounded(tracker: SessionTracker) -> None:
+    before = _process_threads()
+    with EventServer("127.0.0.1", 0, tracker.apply, max_connections=4) as srv:
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(40)]
+        try:
+            t0 = time.perf_counter()
+            with httpx.Client(base_url=srv.url, timeout=5) as c:
+                assert c.get("/health").status_code == 200
+                assert c.post("/v1/events", json=BEGIN).status_code == 200
+            assert time.perf_counter() - t0 < 2.0
+            assert srv.open_connections <= 2 * 4
+            assert _process_threads() - before <= 2 * 4
+            counters = srv.metrics.snapshot()["counters"]
+            assert counters["connections.shed"] >= 1
+            # Shed (closed to make room) or, while too many shed threads were still finishing, 503.
+            assert counters["connections.shed"] + counters.get("connections.refused", 0) >= 30
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_a_slow_body_is_idle_and_can_be_shed(tracker: SessionTracker) -> None:
+    with EventServer("127.0.0.1", 0, tracker.apply, max_connections=1) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as slow:
+            slow.sendall(b"POST /v1/events HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{")
+            time.sleep(0.2)  # the handler now waits for the rest of the body
+            assert httpx.get(f"{srv.url}/health", timeout=3).status_code == 200
+            assert slow.recv(4096) == b""  # shed: closed without an answer
+        assert srv.metrics.snapshot()["counters"].get("internal_errors", 0) == 0
+
+
+def test_stats_without_a_key_answer_loopback_only(tracker: SessionTracker) -> None:
+    open_srv = EventServer("127.0.0.1", 0, tracker.apply)
+    for peer in ("127.0.0.1", "127.0.0.9", "::1", "::ffff:127.0.0.1", "localhost"):
+        assert open_srv.stats_allowed(None, peer), peer
+    for peer in ("10.0.0.7", "192.168.1.2", "::ffff:10.0.0.7", "2001:db8::1", "not-an-ip"):
+        assert not open_srv.stats_allowed(None, peer), peer
+    keyed = EventServer("127.0.0.1", 0, tracker.apply, api_key="k")
+    assert not keyed.stats_allowed(None, "127.0.0.1")  # with a key even loopback must present it
+    assert keyed.stats_allowed("Bearer k", "10.0.0.7")
+
+
+def test_hostile_bodies_get_no_5xx(client: httpx.Client) -> None:
+    import random
+
+    rng = random.Random(14)
+    bodies: list[bytes] = [b"", b"null", b"[1]", b'{"type": 3}', b"\xff\xfe", b"{" * 5000]
+    for i in range(300):
+        doc: dict[str, object] = dict(rng.choice([BEGIN, END]))
+        key = rng.choice([*doc.keys(), "extra"])
+        doc[key] = rng.choice([None, -1, 1e308, "x" * rng.randint(0, 300), [], {}, True, f"s{i % 7}"])
+        bodies.append(json.dumps(doc).encode())
+        bodies.append(bytes(rng.randrange(256) for _ in range(rng.randint(1, 64))))
+    seen = set()
+    for body in bodies:
+        r = client.post("/v1/events", content=body, headers={"Content-Type": "application/json"})
+        seen.add(r.status_code)
+    assert seen <= {200, 400, 404, 409}, seen

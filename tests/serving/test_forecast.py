@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from tokencake.serving.forecast import DurationForecaster
+from tokencake.serving.forecast import MAX_FORECAST_S, DurationForecaster
+from tokencake.serving.prefetch import stall_expiry_s
 
 
 def test_cold_start_uses_default() -> None:
@@ -63,7 +64,7 @@ def test_blend_is_weighted_mean() -> None:
 
 def test_quantile_bounds_from_history() -> None:
     fc = DurationForecaster(window=8)
-    for v in [1, 2, 3, 4, 5, 6, 7, 8, 100, 100]:  # window keeps the last 8: 3..8, 100, 100
+    for v in [1, 2, 3, 4, 5, 6, 7, 8, 20, 20]:  # window keeps the last 8: 3..8, 20, 20
         fc.observe("a", "t", float(v))
     stats = fc.key_stats("a", "t")
     assert stats is not None
@@ -118,3 +119,42 @@ def test_invalid_config() -> None:
         DurationForecaster(alpha=0)
     with pytest.raises(ValueError, match="hint_weight"):
         DurationForecaster(hint_weight=2)
+
+
+def test_hint_is_capped_so_one_begin_cannot_pin_for_an_hour() -> None:
+    fc = DurationForecaster()
+    f = fc.predict("a", "t", hint_s=900.0)
+    assert f.seconds == f.hint_s == MAX_FORECAST_S
+    assert fc.predict("a", "t", stages={"x": 5000.0}).seconds == MAX_FORECAST_S
+    assert fc.stats()["clamped_hints"] == 2
+    # The stall's expiry (how long its host pins may live without a stall_end) follows the forecast.
+    assert stall_expiry_s(f.seconds) <= 20 * 60
+
+
+def test_one_bogus_duration_cannot_poison_the_shared_forecast() -> None:
+    fc = DurationForecaster()
+    for _ in range(5):
+        fc.observe("a", "search", 2.0, predicted_s=2.0)
+    fc.observe("a", "search", 86_400.0, predicted_s=2.0)  # a hostile (or broken) stall_end
+    after = fc.predict("a", "search")
+    # The report counted as at most max(4 x 2 s, 30 s): the EWMA moved from 2 s to at most 16 s.
+    assert after.seconds <= 16.0
+    assert fc.stats()["clamped_observations"] == 1
+    assert fc.key_stats("a", "search")["p90_s"] <= 30.0  # type: ignore[index]
+
+
+def test_a_tool_that_really_slowed_down_is_still_learned() -> None:
+    fc = DurationForecaster()
+    for _ in range(3):
+        fc.observe("a", "t", 1.0, predicted_s=1.0)
+    for _ in range(6):
+        fc.observe("a", "t", 200.0, predicted_s=fc.predict("a", "t").seconds)
+    assert fc.predict("a", "t").seconds > 150.0
+
+
+def test_first_report_without_reference_counts_up_to_the_cap() -> None:
+    fc = DurationForecaster()
+    fc.observe("a", "t", 120.0)  # nothing to compare with: accepted (a slow tool, no hint)
+    assert fc.predict("a", "t").seconds == 120.0
+    fc.observe("b", "t", 1e9)
+    assert fc.predict("b", "t").seconds == MAX_FORECAST_S

@@ -119,12 +119,19 @@ def test_hit_on_device_false_marks_wasted(planner: PrefetchPlanner, clock: Clock
     assert planner.on_request("sess", hit_on_device=False) == [("st", "wasted")]
 
 
-def test_eviction_before_end_reprefetches_at_end(planner: PrefetchPlanner, clock: Clock) -> None:
+def test_eviction_while_running_reprefetches_then_waits_for_end(
+    planner: PrefetchPlanner, clock: Clock
+) -> None:
     planner.begin("st", "sess", predicted_s=1.0, h2d_s=0.0)
     clock.t += 1.0
     planner.mark_started("st")
     planner.mark_done("st")
-    planner.mark_evicted("st")
+    planner.mark_evicted("st")  # the tool still runs: upload again now
+    assert planner.due() == ["st"]
+    assert planner.stats()["reprefetch_while_running"] == 1
+    planner.mark_started("st")
+    planner.mark_done("st")
+    planner.mark_evicted("st")  # max_prefetches (2) used: wait for the end
     assert planner.due() == []
     clock.t += 10.0
     planner.end("st")
@@ -132,8 +139,45 @@ def test_eviction_before_end_reprefetches_at_end(planner: PrefetchPlanner, clock
     planner.mark_started("st")
     planner.mark_done("st")
     assert planner.on_request("sess") == [("st", "on_time")]
-    assert planner.get("st").prefetches == 2  # type: ignore[union-attr]
+    plan = planner.get("st")
+    assert plan is not None and plan.prefetches == 3 and plan.evictions == 2
     assert planner.stats()["reprefetch_after_eviction"] == 1
+    assert planner.stats()["evicted_before_use"] == 2
+
+
+def test_due_time_aims_at_a_low_quantile_of_learned_return_ratios(clock: Clock) -> None:
+    planner = PrefetchPlanner(
+        clock=clock, safety_margin_s=0.0, return_quantile=0.1, prior_ratio=0.5, min_samples=5
+    )
+    # No history: the prior (the forecast may be 2x too long).
+    plan = planner.begin("p0", "s", predicted_s=4.0, h2d_s=0.5, wait_s=0.5)
+    assert plan.lead_s == pytest.approx(1.0)
+    assert plan.due_at == pytest.approx(clock.t + 0.5 * 4.0 - 1.0)
+    planner.cancel("p0", "test")
+    # Heavy-tailed returns of one key: ratios 0.4 .. 2.2 (actual / predicted).
+    for i, ratio in enumerate([0.4, 0.6, 0.8, 1.0, 1.4, 1.8, 2.2]):
+        t0 = clock.t
+        planner.begin(f"h{i}", f"s{i}", predicted_s=2.0, h2d_s=0.0, key="a/crawl", now=t0)
+        planner.end(f"h{i}", now=t0 + ratio * 2.0)
+    assert planner.return_ratio("a/crawl") == pytest.approx(0.52)  # p10 of the seven ratios
+    assert planner.return_ratio("other/tool") == pytest.approx(0.52)  # falls back to all stalls
+    plan = planner.begin("k", "sk", predicted_s=10.0, h2d_s=0.0, key="a/crawl")
+    assert plan.due_at == pytest.approx(clock.t + 5.2)
+    # The key's own history wins once it has enough samples; a runaway tool is bounded.
+    for i in range(5):
+        t0 = clock.t
+        planner.begin(f"b{i}", f"sb{i}", predicted_s=1.0, h2d_s=0.0, key="b/slow", now=t0)
+        planner.end(f"b{i}", now=t0 + (1e9 if i == 0 else 3.0))
+    assert planner.return_ratio("b/slow") == pytest.approx(3.0)
+    assert planner.return_ratio("a/crawl") < 1.0
+    assert max(planner._ratios) == 100.0
+
+
+def test_bad_estimates_do_not_move_the_due_time(planner: PrefetchPlanner, clock: Clock) -> None:
+    plan = planner.begin("st", "s", predicted_s=4.0, h2d_s=float("nan"), wait_s=float("inf"))
+    assert plan.due_at == pytest.approx(clock.t + 4.0 - 0.1)
+    with pytest.raises(ValueError):
+        PrefetchPlanner(return_quantile=1.5)
 
 
 def test_expiry_without_end(planner: PrefetchPlanner, clock: Clock) -> None:

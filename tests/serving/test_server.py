@@ -20,6 +20,7 @@ import pytest
 
 from tokencake.events import EVENTS_PORT_OFFSET
 from tokencake.serving import server as srvmod
+from tokencake.serving.event_api import EVENTS_API_KEY_ENV
 from tokencake.serving.model import ModelError, ResolvedModel
 from tokencake.serving.server import Server, ServerError
 
@@ -45,7 +46,6 @@ def test_extension_args(cpu: None) -> None:
     s = _resolved(
         Server(
             port=9100,
-            api_key="k",
             num_gpu_blocks=40,
             host_pool_blocks=64,
             extra_args=["--max-num-seqs", "4"],
@@ -56,7 +56,6 @@ def test_extension_args(cpu: None) -> None:
     assert _flag(args, "--served-model-name") == "m"
     assert _flag(args, "--port") == "9100"
     assert _flag(args, "--host") == "127.0.0.1"
-    assert _flag(args, "--api-key") == "k"
     assert _flag(args, "--max-model-len") == "4096"
     assert _flag(args, "--num-gpu-blocks-override") == "40"
     assert _flag(args, "--scheduling-policy") == "priority"
@@ -71,7 +70,7 @@ def test_extension_args(cpu: None) -> None:
     extra = kv["kv_connector_extra_config"]
     assert extra["events_port"] == 9100 + EVENTS_PORT_OFFSET
     assert extra["events_host"] == "127.0.0.1"
-    assert extra["api_key"] == "k"
+    assert "api_key" not in extra
     assert extra["host_pool_blocks"] == 64
     assert extra["offload"] is extra["prefetch"] is extra["demand_load"] is True
     assert "host_pool_gib" not in extra
@@ -241,6 +240,152 @@ def test_parse_prometheus() -> None:
     assert not any(k.endswith("_created") or "_created{" in k for k in m)
 
 
+def test_api_key_never_reaches_argv_or_the_logged_config(cpu: None) -> None:
+    secret = "sk-tokencake-0123456789"
+    for baseline in (False, True):
+        s = _resolved(Server(port=9100, api_key=secret, baseline=baseline))
+        cmd = s.command()
+        assert secret not in " ".join(cmd)  # /proc/PID/cmdline is readable by every local user
+        assert "--api-key" not in cmd
+        assert secret not in json.dumps(s.kv_transfer_config())  # vLLM logs it in "non-default args"
+        env = s.child_env()
+        assert env["VLLM_API_KEY"] == secret  # vLLM's own OpenAI auth reads it (--api-key wins if given)
+        assert env[EVENTS_API_KEY_ENV] == secret  # the connector's listener reads it in EngineCore
+    assert s.state() and secret not in json.dumps(s.state())
+
+
+def test_no_key_clears_inherited_key_variables(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key left in the caller's environment must not make vLLM demand one this Server never sends."""
+    monkeypatch.setenv("VLLM_API_KEY", "stale")
+    monkeypatch.setenv(EVENTS_API_KEY_ENV, "stale")
+    env = Server(port=1, env={EVENTS_API_KEY_ENV: "also-stale"}).child_env()
+    assert "VLLM_API_KEY" not in env and EVENTS_API_KEY_ENV not in env
+
+
+def test_events_bind_to_loopback_unless_asked(cpu: None) -> None:
+    s = _resolved(Server(host="0.0.0.0", port=9100))
+    extra = s.kv_transfer_config()["kv_connector_extra_config"]
+    assert extra["events_host"] == "127.0.0.1"  # --host 0.0.0.0 alone does not expose events
+    assert s.events_url == f"http://127.0.0.1:{9100 + EVENTS_PORT_OFFSET}"
+    assert _flag(s.vllm_args(), "--host") == "0.0.0.0"
+    exposed = _resolved(Server(host="0.0.0.0", port=9100, events_host="0.0.0.0", api_key="k"))
+    assert exposed.kv_transfer_config()["kv_connector_extra_config"]["events_host"] == "0.0.0.0"
+
+
+def test_exposed_events_need_a_key(cpu: None) -> None:
+    with pytest.raises(ServerError, match=r"--events-host 0\.0\.0\.0 .*--api-key"):
+        Server(events_host="0.0.0.0").preflight()
+    Server(events_host="0.0.0.0", api_key="k").preflight()
+    Server(events_host="::1").preflight()  # loopback: no key needed
+    Server(events_host="0.0.0.0", baseline=True).preflight()  # no listener at all
+
+
+# vLLM 0.32 log of `tokencake serve --num-gpu-blocks 24` (messages from vllm/v1/core/kv_cache_utils.py
+# and vllm/v1/engine/utils.py; layout from vllm/logging_utils/formatter.py: continuation lines of a
+# multi-line record are joined with "\r\n" + the prefix).
+_E = "(EngineCore pid=4242) ERROR 12-01 10:00:03 [core.py:1510] "
+KV_CAUSE = (
+    "ValueError: To serve at least one request with the model's max seq len (4096), (0.09 GiB KV cache is "
+    "needed, which is larger than the available KV cache memory (0.05 GiB). Based on the available memory, "
+    "the estimated maximum model length is 2944. Try increasing `gpu_memory_utilization` (which also "
+    "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. "
+    "See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+)
+KV_LOG = (
+    "(APIServer pid=4200) INFO 12-01 10:00:00 [utils.py:286] non-default args: {'model': '/m'}\n"
+    "(EngineCore pid=4242) INFO 12-01 10:00:02 [kv_cache_utils.py:2619] Overriding num_gpu_blocks=910 "
+    "with num_gpu_blocks_override=24\n"
+    + _E
+    + "EngineCore failed to start.\r\n"
+    + _E
+    + "Traceback (most recent call last):\r\n"
+    + _E
+    + '  File "/v/vllm/v1/engine/core.py", line 1490, in run_engine_core\r\n'
+    + _E
+    + "    engine_core = EngineCoreProc(*args, engine_index=dp_rank, **kwargs)\r\n"
+    + _E
+    + '  File "/v/vllm/v1/core/kv_cache_utils.py", line 1029, in _check_enough_kv_cache_memory\r\n'
+    + _E
+    + "    raise ValueError(\r\n"
+    + _E
+    + KV_CAUSE
+    + "\n"
+    "Process EngineCore:\n"
+    "Traceback (most recent call last):\n"
+    '  File "/usr/lib/python3.11/multiprocessing/process.py", line 314, in _bootstrap\n'
+    "    self.run()\n"
+    '  File "/v/vllm/v1/core/kv_cache_utils.py", line 1029, in _check_enough_kv_cache_memory\n'
+    "    raise ValueError(\n" + KV_CAUSE + "\n"
+    "(APIServer pid=4200) Traceback (most recent call last):\n"
+    '(APIServer pid=4200)   File "<frozen runpy>", line 198, in _run_module_as_main\n'
+    '(APIServer pid=4200)   File "/v/vllm/v1/engine/utils.py", line 1432, in wait_for_engine_startup\n'
+    "(APIServer pid=4200)     raise RuntimeError(\n"
+    "(APIServer pid=4200) RuntimeError: Engine core initialization failed. See root cause above. "
+    "Failed core proc(s): {'EngineCore': 1}\n"
+    "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: There appear to be 1 "
+    "leaked shared_memory objects to clean up at shutdown\n"
+    "  warnings.warn('resource_tracker: There appear to be %d '\n"
+)
+
+
+def test_startup_cause_is_the_engine_error_not_the_wrapper() -> None:
+    assert srvmod.startup_cause(KV_LOG) == KV_CAUSE[:400] + "…"
+    msg = srvmod.startup_error_message(1, KV_LOG)
+    assert "\n" not in msg
+    assert msg.startswith(
+        "vLLM exited with code 1 while starting: ValueError: To serve at least one request with the "
+        "model's max seq len (4096)"
+    )
+    assert "raise RuntimeError(" not in msg and "Engine core initialization failed" not in msg
+    assert "gpu_memory_utilization" not in msg  # vLLM's engine-argument advice is replaced by ours
+    assert msg.endswith(
+        "— fix: the KV cache cannot hold one request of --max-model-len: lower --max-model-len "
+        "(about 2944 fits) or give more KV with --num-gpu-blocks / --kv-cache-gib"
+    )
+
+
+@pytest.mark.parametrize(
+    ("log", "cause", "hint"),
+    [
+        (
+            "INFO 12-01 10:00:00 [x.py:1] starting\nTraceback (most recent call last):\n"
+            '  File "a.py", line 1, in <module>\n    raise ValueError(\n'
+            "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`\n",
+            "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`",
+            "lower --max-model-len",
+        ),
+        (
+            "(APIServer pid=1) ERROR 12-01 10:00:00 [api_server.py:9] OSError: [Errno 98] Address "
+            "already in use\n",
+            "OSError: [Errno 98] Address already in use",
+            "pick another --port",
+        ),
+        (
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+            "  Value error, Invalid repository ID or local directory specified: '/nope'. "
+            "[type=value_error, input_value=ArgsKwargs((), {}), input_type=ArgsKwargs]\n",
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig: Value error, "
+            "Invalid repository ID or local directory specified: '/nope'.",
+            "",
+        ),
+        (
+            "(EngineCore pid=3) ERROR 12-01 10:00:00 [core.py:9] worker died unexpectedly\n"
+            "(APIServer pid=2) RuntimeError: Engine core initialization failed. See root cause above.\n",
+            "worker died unexpectedly",
+            "",
+        ),
+        ("just some output\n    raise RuntimeError(\n", "", ""),
+    ],
+)
+def test_startup_cause_and_hint(log: str, cause: str, hint: str) -> None:
+    assert srvmod.startup_cause(log) == cause
+    assert hint in srvmod.startup_hint(cause)
+    if not cause:
+        assert srvmod.startup_error_message(1, log, Path("/l.log")) == (
+            "vLLM exited with code 1 while starting (log: /l.log)"
+        )
+
+
 def test_stats_of_baseline_is_an_error() -> None:
     with pytest.raises(ServerError, match="baseline"):
         Server(baseline=True).stats()
@@ -262,6 +407,9 @@ print("fake vllm starting", flush=True)
 if mode == "crash":
     print("ValueError: Available memory on node 0 is too small", flush=True)
     sys.exit(3)
+if mode == "log-crash":  # replay a real vLLM failure log
+    sys.stdout.write(open(os.environ["FAKE_LOG"]).read()); sys.stdout.flush()
+    sys.exit(1)
 # A stubborn "EngineCore": ignores SIGTERM, so only the SIGKILL escalation removes it.
 subprocess.Popen([sys.executable, "-c",
     "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"])
@@ -339,6 +487,20 @@ def test_early_exit_shows_the_cause(cpu: None, fake_python: str, model_dir: Path
     with pytest.raises(ServerError, match=r"exited with code 3 .*ValueError: Available memory") as err:
         srv.start()
     assert "fake vllm starting" in err.value.log_tail
+    assert not srv.running
+
+
+def test_early_exit_names_the_kv_cause_and_fix(
+    cpu: None, fake_python: str, model_dir: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "vllm-output.txt"
+    log.write_text(KV_LOG + "\n".join(f"(APIServer pid=4200) INFO shutdown line {i}" for i in range(40)))
+    srv = _fake_server(fake_python, model_dir, tmp_path, "log-crash")
+    srv.env["FAKE_LOG"] = str(log)
+    with pytest.raises(ServerError) as err:
+        srv.start()
+    assert "max seq len (4096)" in str(err.value)  # > 30 lines before the end of the log
+    assert "lower --max-model-len (about 2944 fits)" in str(err.value)
     assert not srv.running
 
 

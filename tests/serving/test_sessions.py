@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import gc
+import sys
 import threading
+import tracemalloc
 
 import pytest
 
 from tokencake.events import EventAck, StallBegin, StallEnd
-from tokencake.serving.sessions import SessionTracker
+from tokencake.serving.sessions import ByteLRU, SessionTracker, hashes_nbytes
 
 
 class Clock:
@@ -206,3 +209,132 @@ def test_thread_safety_under_concurrent_events() -> None:
     assert stats["acks.recorded"] == 1600
     assert stats["acks.duplicate"] == 800
     assert len(t.drain()) == 1600
+
+
+# ------------------------------------------------------------------ memory bounded in bytes
+
+
+def long_chain(tag: int, n: int) -> list[bytes]:
+    """``n`` distinct 32-byte hashes (a long context: 8192 blocks = 128k tokens at 16 per block)."""
+    prefix = tag.to_bytes(4, "little")
+    return [prefix + i.to_bytes(28, "little") for i in range(n)]
+
+
+def test_hashes_nbytes_matches_getsizeof() -> None:
+    hs = tuple(long_chain(1, 100))
+    assert hashes_nbytes(hs) == sys.getsizeof(hs) + 100 * sys.getsizeof(hs[0])
+    assert hashes_nbytes(()) == sys.getsizeof(())
+
+
+def test_long_contexts_stay_under_the_byte_budget() -> None:
+    """64 sessions x 4096 blocks would keep ~19 MB of hashes; the tracker keeps at most 4 MiB."""
+    budget = 4 << 20
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        t = SessionTracker(max_bytes=budget)
+        for i in range(64):
+            t.record_request(f"s{i}", long_chain(i, 4096), 4096 * 16)
+            assert t.retained_bytes <= budget
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held - base <= budget * 1.1 + (256 << 10), f"{(held - base) / 2**20:.1f} MiB retained"
+    per_session = hashes_nbytes(tuple(long_chain(0, 4096)))
+    assert t.stats()["sessions"] == budget // per_session  # the most recent ones
+    assert t.session("s63") is not None and t.session("s0") is None
+    assert t.stats()["sessions_evicted_bytes"] == 64 - budget // per_session
+
+
+def test_a_chain_longer_than_the_budget_keeps_its_head() -> None:
+    t = SessionTracker(max_bytes=64 << 10)
+    blocks = t.record_request("s", long_chain(1, 8192), 8192 * 16)
+    assert 0 < len(blocks.block_hashes) < 8192 and blocks.nbytes <= 64 << 10
+    assert list(blocks.block_hashes) == long_chain(1, len(blocks.block_hashes))
+    assert t.stats()["sessions_truncated"] == 1
+
+
+def test_finished_stalls_keep_no_hashes_and_shared_tuples_count_once() -> None:
+    t = SessionTracker()
+    t.record_request("run:a", long_chain(1, 1000), 16000)
+    one = t.retained_bytes
+    t.apply(begin("st-1"))  # the stall's snapshot is the session's tuple: no new bytes
+    assert t.retained_bytes == one
+    t.record_request("run:a", long_chain(2, 1000), 16000)  # the session moves on; the stall keeps its own
+    assert t.retained_bytes == 2 * one
+    t.apply(end())
+    rec = t.stall("st-1")
+    assert rec is not None and rec.blocks is None and rec.num_blocks == 1000
+    assert t.retained_bytes == one
+    assert t.forget_session("run:a") and t.retained_bytes == 0
+    begin_tr, end_tr = t.drain()
+    assert begin_tr.blocks is not None and len(begin_tr.blocks.block_hashes) == 1000
+    assert end_tr.blocks is None
+
+
+def test_active_stalls_over_the_budget_expire_oldest_first() -> None:
+    per = hashes_nbytes(tuple(long_chain(0, 1000)))
+    t = SessionTracker(max_bytes=int(3.5 * per))
+    for i in range(3):
+        t.record_request(f"s{i}", long_chain(i, 1000), 16000)
+        t.apply(begin(f"st{i}", f"s{i}"))
+        t.record_request(f"s{i}", long_chain(10 + i, 1000), 16000)  # session and stall differ now
+    assert t.retained_bytes <= t.max_bytes
+    assert t.stats()["expired.memory_budget"] >= 1
+    assert t.stall("st0").state == "expired"  # type: ignore[union-attr]
+    assert t.stall("st2").state == "active"  # type: ignore[union-attr]
+    assert ("expired", "st0") in [(tr.kind, tr.stall_id) for tr in t.drain()]
+
+
+def test_begin_stages_are_not_kept_in_records() -> None:
+    t = SessionTracker()
+    t.record_request("run:a", hashes(2), 256)
+    t.apply(begin(stages={f"step{i}": 0.1 for i in range(500)}))
+    (tr,) = t.drain()
+    assert tr.event is not None and len(tr.event.stages or {}) == 500  # the engine still gets them
+    rec = t.stall("st-1")
+    assert rec is not None and rec.begin.stages is None and rec.agent_type == "a"
+
+
+def test_sweep_forgets_idle_sessions_and_is_cheap() -> None:
+    clock = Clock()
+    t = SessionTracker(clock=clock, session_ttl_s=100.0, max_stall_age_s=1000.0)
+    for i in range(5):
+        t.record_request(f"s{i}", hashes(2), 256)
+        clock.t += 10
+    t.apply(begin("st", "s0"))  # a stall is a use: s0 becomes the most recent
+    clock.t += 65  # s1 idle 105 s, s2 95 s ...
+    assert t.sweep() == []
+    assert [s for s in ("s0", "s1", "s2", "s3", "s4") if t.session(s) is not None] == ["s0", "s2", "s3", "s4"]
+    assert t.stats()["sessions_idle_forgotten"] == 1
+    # Cheap: a sweep looks only at what it removes, not at every active stall or session.
+    for i in range(2000):
+        t.apply(begin(f"young{i}", "s4"))
+    seen = 0
+    real = t._active
+
+    class CountingDict(type(real)):  # type: ignore[misc]
+        def items(self):  # type: ignore[no-untyped-def]
+            nonlocal seen
+            for kv in super().items():
+                seen += 1
+                yield kv
+
+    t._active = CountingDict(real)
+    clock.t += 1000 - 65
+    assert t.sweep() == ["st"] and seen == 2  # the old stall, then the first young one
+
+
+def test_byte_lru_bounds_count_and_bytes() -> None:
+    lru: ByteLRU[str, int] = ByteLRU(max_items=3, max_bytes=100)
+    for i in range(3):
+        lru.put(f"k{i}", i, 30)
+    assert len(lru) == 3 and lru.nbytes == 90
+    lru.put("big", 9, 60)  # evicts the two oldest
+    assert "k0" not in lru and "k1" not in lru and lru.get("k2") == 2 and lru.nbytes == 90
+    lru.put("k2", 22, 10)  # replace: bytes follow
+    assert lru.get("k2") == 22 and lru.nbytes == 70
+    lru.put("huge", 0, 1000)  # a single entry over the bound stays (the newest is always kept)
+    assert len(lru) == 1 and lru.nbytes == 1000 and lru.evicted == 4
+    assert lru.pop("huge") == 0 and lru.nbytes == 0 and lru.pop("huge") is None

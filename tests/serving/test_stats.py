@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import tracemalloc
 
 import pytest
 
@@ -75,3 +76,29 @@ def test_thread_safe_increments() -> None:
         t.join()
     assert st.counter("n") == 20000
     assert st.histogram("h")["count"] == 20000
+
+
+def test_distinct_names_are_capped_so_memory_stays_bounded() -> None:
+    stats = Stats(max_names=100, max_histograms=10, hist_window=64)
+    tracemalloc.start()
+    try:
+        for i in range(100):  # fill up to the caps
+            stats.inc(f"c.{i}")
+            stats.set(f"g.{i}", i)
+            stats.observe(f"h.{i}", float(i))
+        base, _ = tracemalloc.get_traced_memory()
+        for i in range(100, 20_000):  # a runaway label (a reason code built from input, say)
+            stats.inc(f"c.{i}")
+            stats.set(f"g.{i}", i)
+            stats.observe(f"h.{i}", float(i))
+        grown, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert grown - base < 16 << 10, f"{grown - base} bytes grew past the caps"
+    snap = stats.snapshot()
+    assert len(snap["counters"]) == 101 and len(snap["gauges"]) == 100 and len(snap["histograms"]) == 10
+    assert stats.counter("stats.dropped_names") == 3 * 19_900 + 90
+    stats.inc("c.5", 2)  # existing names keep counting
+    assert stats.counter("c.5") == 3
+    stats.reset()
+    assert stats.counter("stats.dropped_names") == 0

@@ -7,10 +7,11 @@ Declaring is separate from running: an ``App`` holds node and tool definitions, 
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import inspect
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -21,11 +22,14 @@ from tokencake.events import GraphMeta
 
 from ._errors import AppDefinitionError
 from ._graph import critical_path, cycle_text, graph_meta
+from ._retry import ExceptionTypes, Retry
 from ._tool import Tool, is_async_callable
 
 if TYPE_CHECKING:
     from ._llm import LLM
+    from ._observe import Observer
     from ._result import RunEvent, RunResult
+    from ._run_stream import RunStream
     from ._stall import StallHook
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -36,11 +40,16 @@ SECONDS_PER_TOKEN = 0.02
 #: Output tokens assumed for an agent without ``max_tokens`` (for the prediction only).
 ASSUMED_MAX_TOKENS = 256
 _MAX_NAME = 100
+#: The keyword options of ``run`` / ``run_sync`` / ``stream`` (any other keyword must be a declared input).
+RUN_OPTIONS = ("llm", "stall", "timeout", "max_concurrency", "run_id", "observer")
 
 
 @dataclass(eq=False)
 class Node:
-    """A DAG node: an ``agent`` (makes LLM calls) or a local ``function``."""
+    """A DAG node: an ``agent`` (makes LLM calls) or a local ``function``.
+
+    A ``template`` node is not part of the DAG: nodes run instances of it with ``ctx.fan_out``.
+    """
 
     name: str
     fn: Callable[..., Any]
@@ -56,6 +65,7 @@ class Node:
     predict_llm_s: float | None = None
     predict_s: float | None = None
     description: str = ""
+    template: bool = False
 
     @property
     def is_async(self) -> bool:
@@ -89,7 +99,8 @@ class _Analysis:
 class App:
     """A multi-agent app: a DAG of agents and functions that call tools.
 
-    ``inputs`` names the run inputs ``run(**inputs)`` requires (more may be given).
+    ``inputs`` names the run inputs ``run`` requires; they may be passed as keywords
+    (``run(task=...)``). More inputs may be given in the mapping (``run({"task": ..., "extra": ...})``).
     """
 
     def __init__(self, name: str, *, inputs: Sequence[str] = (), description: str = "") -> None:
@@ -101,6 +112,8 @@ class App:
         self.inputs: list[str] = list(inputs)
         self.description = description
         self.nodes: dict[str, Node] = {}
+        #: Template nodes (``template=True``): run N times at run time by ``ctx.fan_out``.
+        self.templates: dict[str, Node] = {}
         self.tools: dict[str, Tool] = {}
         self._node_fns: dict[int, str] = {}
         self._tool_fns: dict[int, str] = {}
@@ -118,7 +131,8 @@ class App:
 
         Options: ``name``, ``system``, ``max_tokens``, ``temperature``, ``after`` (dependencies),
         ``tools`` (model-driven tools offered to ``ctx.llm``), ``calls`` (graph-fixed tools, for the
-        prediction), ``importance``, ``agent_type``, ``predict_llm_s``, ``description``.
+        prediction), ``importance``, ``agent_type``, ``predict_llm_s``, ``description``,
+        ``template`` (not a DAG node: ``ctx.fan_out`` runs instances of it).
         """
         return self._decorate(self.add_agent, fn, options)
 
@@ -130,7 +144,8 @@ class App:
     def function(self, fn: F | None = None, /, **options: Any) -> F | Callable[[F], F]:
         """Decorator: declare a local node ``fn(ctx, inputs)`` (sync functions run in a thread).
 
-        Options: ``name``, ``after``, ``calls``, ``predict_s`` (its own compute seconds), ``description``.
+        Options: ``name``, ``after``, ``calls``, ``predict_s`` (its own compute seconds), ``description``,
+        ``template``.
         """
         return self._decorate(self.add_function, fn, options)
 
@@ -143,7 +158,9 @@ class App:
         """Decorator: declare a tool (sync or async). The function is returned unchanged.
 
         Options: ``name``, ``predict_time`` (seconds), ``stages`` ({name: seconds}), ``kind``,
-        ``timeout`` (seconds per attempt), ``retries`` (extra attempts), ``description``.
+        ``timeout`` (seconds per attempt), ``retries`` (extra attempts, or a :class:`Retry`),
+        ``retry_on`` (exception types worth a retry), ``description``. The :class:`Tool` (schema,
+        policy) is ``app.get_tool(fn)``.
         """
         return self._decorate(self.add_tool, fn, options)
 
@@ -170,6 +187,7 @@ class App:
         agent_type: str | None = None,
         predict_llm_s: float | None = None,
         description: str | None = None,
+        template: bool = False,
     ) -> Node:
         """Imperative form of ``@app.agent``; returns the node."""
         node = Node(
@@ -186,6 +204,7 @@ class App:
             agent_type=agent_type,
             predict_llm_s=predict_llm_s,
             description=description if description is not None else inspect.getdoc(fn) or "",
+            template=template,
         )
         return self._add_node(node)
 
@@ -198,6 +217,7 @@ class App:
         calls: Iterable[Ref] = (),
         predict_s: float | None = None,
         description: str | None = None,
+        template: bool = False,
     ) -> Node:
         """Imperative form of ``@app.function``; returns the node."""
         node = Node(
@@ -208,6 +228,7 @@ class App:
             calls=_refs(calls),
             predict_s=predict_s,
             description=description if description is not None else inspect.getdoc(fn) or "",
+            template=template,
         )
         return self._add_node(node)
 
@@ -220,7 +241,8 @@ class App:
         kind: str = "tool",
         stages: dict[str, float] | None = None,
         timeout: float | None = None,
-        retries: int = 0,
+        retries: int | Retry = 0,
+        retry_on: type[BaseException] | ExceptionTypes | None = None,
         description: str | None = None,
     ) -> Tool:
         """Imperative form of ``@app.tool``; returns the :class:`Tool`."""
@@ -234,6 +256,7 @@ class App:
             stages=stages,
             timeout=timeout,
             retries=retries,
+            retry_on=retry_on,
             description=description or "",
         )
         self.tools[tool.name] = tool
@@ -245,7 +268,8 @@ class App:
         """Add the edge ``src -> dst`` (``dst`` runs after ``src``)."""
         dst_name = self._node_ref(dst, "link target")
         if dst_name not in self.nodes:
-            raise AppDefinitionError(f"link: unknown node {dst_name!r}")
+            what = "a template (templates have no edges)" if dst_name in self.templates else "unknown node"
+            raise AppDefinitionError(f"link: {what} {dst_name!r}")
         self.nodes[dst_name].after.append(src)
         self._changed()
 
@@ -274,9 +298,13 @@ class App:
             problems.append(f"{node.kind} {node.name!r}: agent_type must be a string of <= 200 characters")
         if node.max_tokens is not None and not (isinstance(node.max_tokens, int) and node.max_tokens > 0):
             problems.append(f"{node.kind} {node.name!r}: max_tokens must be a positive int")
+        if node.template and node.after:
+            problems.append(
+                f"template {node.name!r} cannot have after= (it runs when a node calls ctx.fan_out)"
+            )
         if problems:
             raise AppDefinitionError(problems)
-        self.nodes[node.name] = node
+        (self.templates if node.template else self.nodes)[node.name] = node
         self._node_fns.setdefault(id(node.fn), node.name)
         self._changed()
         return node
@@ -287,6 +315,8 @@ class App:
         if name in self.nodes:
             other = self.nodes[name].kind
             raise AppDefinitionError(f"duplicate name {name!r}: already a {other} of app {self.name!r}")
+        if name in self.templates:
+            raise AppDefinitionError(f"duplicate name {name!r}: already a template of app {self.name!r}")
         if name in self.tools:
             raise AppDefinitionError(f"duplicate name {name!r}: already a tool of app {self.name!r}")
 
@@ -321,6 +351,15 @@ class App:
             raise KeyError(f"{shown!r} is not a tool of app {self.name!r} (tools: {known})")
         return self.tools[name]
 
+    def get_template(self, ref: Ref) -> Node:
+        """The template node for a name or function; ``KeyError`` naming it otherwise."""
+        name = ref if isinstance(ref, str) else self._node_fns.get(id(ref)) or _fn_name(ref)
+        if name not in self.templates:
+            known = ", ".join(self.templates) or "-"
+            hint = " (a DAG node, not a template)" if name in self.nodes else ""
+            raise KeyError(f"{name!r} is not a template of app {self.name!r}{hint} (templates: {known})")
+        return self.templates[name]
+
     # ------------------------------------------------------------------ analysis
 
     def validate(self) -> None:
@@ -347,10 +386,15 @@ class App:
                     continue
                 if dep in self.nodes:
                     graph.add_edge(dep, node.name)
+                elif dep in self.templates:
+                    problems.append(
+                        f"{node.kind} {node.name!r} depends on {dep!r}, a template (run it with ctx.fan_out)"
+                    )
                 elif dep in self.tools:
                     problems.append(f"{node.kind} {node.name!r} depends on {dep!r}, a tool, not a node")
                 else:
                     problems.append(f"{node.kind} {node.name!r} depends on unknown node {dep!r}")
+        for node in [*self.nodes.values(), *self.templates.values()]:
             for attr, out in (("calls", calls), ("tools", tools)):
                 names = []
                 for ref in getattr(node, attr):
@@ -366,7 +410,8 @@ class App:
             problems.append(f"cycle: {cycle}")
         if problems:
             raise AppDefinitionError(problems)
-        weights = {name: self._weight(self.nodes[name], calls[name]) for name in self.nodes}
+        every = {**self.nodes, **self.templates}
+        weights = {name: self._weight(node, calls[name]) for name, node in every.items()}
         path, length = critical_path(graph, weights)
         metas = graph_meta(graph, weights)
         for name, node in self.nodes.items():
@@ -428,24 +473,32 @@ class App:
 
     async def run(
         self,
+        inputs: Mapping[str, Any] | None = None,
+        /,
         *,
         llm: LLM | None = None,
         stall: StallHook | Sequence[StallHook] | Literal[False] | None = None,
         timeout: float | None = None,
         max_concurrency: int | None = None,
         run_id: str | None = None,
-        observer: Callable[[RunEvent], None] | None = None,
-        **inputs: Any,
+        observer: Observer | Sequence[Observer] | None = None,
+        **kwargs: Any,
     ) -> RunResult:
         """Run the app once and return its :class:`RunResult`.
 
+        Run inputs come as a mapping (``app.run({"task": ...})``) and/or as keywords named in
+        ``App(inputs=[...])`` (``app.run(task=...)``); any other keyword is a ``TypeError`` that
+        names it and the closest option or input, so a typo (``lllm=``) never becomes an input.
+
         ``llm`` defaults to ``LLM()`` (environment). ``stall`` adds hooks for stall events; the LLM's
         own reporter (when it has an ``events_url``) is always included unless ``stall=False``.
-        Raises :class:`NodeFailed`, :class:`RunTimeout` or :class:`MissingInput`.
+        ``observer`` is a callable or a list of them, sync or async (async ones are awaited).
+        Raises :class:`NodeFailed`, :class:`RunTimeout` (both carry the partial result) or
+        :class:`MissingInput`.
         """
-        from ._runner import execute
+        from ._runner import prepare
 
-        return await execute(
+        state = prepare(
             self,
             llm=llm,
             stall=stall,
@@ -453,17 +506,90 @@ class App:
             max_concurrency=max_concurrency,
             run_id=run_id,
             observer=observer,
-            inputs=inputs,
+            inputs=self._run_inputs("run", inputs, kwargs),
         )
+        return await state.execute()
 
-    def run_sync(self, **kwargs: Any) -> RunResult:
+    def run_sync(self, inputs: Mapping[str, Any] | None = None, /, **kwargs: Any) -> RunResult:
         """``run`` for scripts. Inside a running event loop (a notebook) it raises ``RuntimeError``."""
+        options = {k: kwargs.pop(k) for k in RUN_OPTIONS if k in kwargs}
+        merged = self._run_inputs("run_sync", inputs, kwargs)
         if _in_event_loop():
             raise RuntimeError(
                 f"App.run_sync() cannot be called from a running event loop (e.g. Jupyter or async code); "
                 f"use `await app.run(...)` instead (app {self.name!r})"
             )
-        return anyio.run(functools.partial(self.run, **kwargs))
+        return anyio.run(functools.partial(self.run, merged, **options))
+
+    def stream(
+        self,
+        inputs: Mapping[str, Any] | None = None,
+        /,
+        *,
+        llm: LLM | None = None,
+        stall: StallHook | Sequence[StallHook] | Literal[False] | None = None,
+        timeout: float | None = None,
+        max_concurrency: int | None = None,
+        run_id: str | None = None,
+        observer: Observer | Sequence[Observer] | None = None,
+        **kwargs: Any,
+    ) -> RunStream:
+        """Start a run whose events you read as they happen (same arguments as :meth:`run`).
+
+        ``async with app.stream(task=...) as run: async for event in run: ...`` yields every
+        :class:`RunEvent` plus the wire-level ``stall_begin`` / ``stall_end`` and, last,
+        ``run_result`` (``data["result"]``); ``run.result`` holds the (possibly partial) result.
+        Leaving the block early, or ``run.cancel()``, cancels the run.
+        """
+        from ._run_stream import RunStream
+        from ._runner import prepare
+
+        def build(listener: Callable[[RunEvent], None]) -> Any:
+            return prepare(
+                self,
+                llm=llm,
+                stall=stall,
+                timeout=timeout,
+                max_concurrency=max_concurrency,
+                run_id=run_id,
+                observer=observer,
+                inputs=merged,
+                listener=listener,
+            )
+
+        merged = self._run_inputs("stream", inputs, kwargs)
+        return RunStream(build)
+
+    def _run_inputs(
+        self, method: str, inputs: Mapping[str, Any] | None, kwargs: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The run inputs from the positional mapping and the declared-input keywords."""
+        if inputs is not None and not isinstance(inputs, Mapping):
+            raise TypeError(
+                f"App.{method}() takes the run inputs as a mapping, got {type(inputs).__name__}; "
+                f"e.g. app.{method}({{'task': ...}})"
+            )
+        merged = dict(inputs or {})
+        for key, value in kwargs.items():
+            if key not in self.inputs:
+                raise TypeError(self._unexpected_keyword(method, key))
+            if key in merged:
+                raise TypeError(
+                    f"App.{method}() got run input {key!r} twice (in the mapping and as a keyword)"
+                )
+            merged[key] = value
+        return merged
+
+    def _unexpected_keyword(self, method: str, key: str) -> str:
+        known = [*RUN_OPTIONS, *self.inputs]
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}=?" if close else ""
+        declared = ", ".join(self.inputs) or "none"
+        return (
+            f"App.{method}() got an unexpected keyword argument {key!r}{hint} "
+            f"(options: {', '.join(RUN_OPTIONS)}; declared inputs of app {self.name!r}: {declared}; "
+            f"pass any other run input in the mapping: app.{method}({{{key!r}: ...}}))"
+        )
 
     def __repr__(self) -> str:
         return f"App({self.name!r}, nodes={len(self.nodes)}, tools={len(self.tools)})"

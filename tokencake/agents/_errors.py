@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import openai
+
 if TYPE_CHECKING:
     from ._result import RunResult
 
@@ -90,3 +92,37 @@ class ToolTimeout(ToolError, TimeoutError):
         self.attempts = attempts
         tries = f" ({attempts} attempts)" if attempts > 1 else ""
         super().__init__(f"tool {tool!r} timed out after {timeout:g} s{tries}", tool=tool)
+
+
+class LLMConnectionError(openai.APIConnectionError):
+    """The LLM server could not be reached (refused, unresolvable, timed out).
+
+    An ``openai.APIConnectionError`` whose message names the URL it tried, because the default
+    (``http://127.0.0.1:8000/v1``) is rarely what a failing app meant to talk to.
+    """
+
+    def __init__(self, url: str, original: openai.APIConnectionError) -> None:
+        self.url = url
+        self.timed_out = isinstance(original, openai.APITimeoutError)
+        what = "timed out" if self.timed_out else "is unreachable"
+        message = (
+            f"the LLM server at {url} {what} ({type(original).__name__}: {original}); is it running? "
+            "Pass tc.LLM(base_url=...) or set TOKENCAKE_BASE_URL"
+        )
+        super().__init__(message=message, request=original.request)
+
+
+class OutputValidationError(ValueError):
+    """``ctx.llm(..., output_type=Model)``: the model's replies did not validate, after every retry.
+
+    ``text`` is the last reply, ``detail`` what was wrong with it, ``attempts`` how many replies were
+    tried.
+    """
+
+    def __init__(self, node: str, output_type: type, text: str, detail: str, attempts: int) -> None:
+        self.node = node
+        self.output_type = output_type
+        self.text = text
+        self.detail = detail
+        self.attempts = attempts
+        super().__init__(f"node {node!r}: no valid {output_type.__name__} after {attempts} replies: {detail}")

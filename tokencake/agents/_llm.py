@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -19,9 +19,12 @@ import anyio
 import httpx
 import openai
 
-from tokencake.events import EVENTS_PORT_OFFSET, META_KEY, RequestMeta, priority_from_graph
+from tokencake.events import EVENTS_PORT_OFFSET, RequestMeta
 
+from ._errors import LLMConnectionError
 from ._loop import LoopLocal
+from ._metadata import merge_metadata, metadata_fields
+from ._retry import Retry, as_retry
 from ._stall import HttpStallReporter
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
@@ -102,6 +105,9 @@ class LLM:
     ``extra_body`` fields go into every request (a call's own ``extra_body`` wins), e.g.
     ``{"ignore_eos": True}`` for equal-work benchmarks.
     ``max_retries`` are the HTTP retries of the openai client (tool retries are separate).
+    ``retry`` (a :class:`Retry` or a number of retries) replaces them for ``ctx.llm`` calls with
+    TokenCake's own policy: exponential backoff with jitter, ``retry_on`` exception types, and an
+    ``llm_failed`` run event per failed attempt.
     """
 
     def __init__(
@@ -115,8 +121,13 @@ class LLM:
         max_retries: int = 2,
         http_client: httpx.AsyncClient | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        retry: Retry | int | None = None,
     ) -> None:
         self.extra_body: dict[str, Any] = dict(extra_body or {})
+        self.retry = as_retry(retry, what="LLM(retry=)")
+        #: False once the server rejected ``response_format`` (structured output then relies on
+        #: instructions and validation only).
+        self.supports_response_format = True
         self.base_url = (base_url or os.environ.get("TOKENCAKE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
         self.model = model or os.environ.get("TOKENCAKE_MODEL") or None
         self.api_key = api_key or os.environ.get("TOKENCAKE_API_KEY") or None
@@ -129,19 +140,7 @@ class LLM:
         self._model_lock: LoopLocal[anyio.Lock] = LoopLocal(anyio.Lock)
 
     def _events_url(self, events_url: str | bool | None) -> str | None:
-        if events_url is None:
-            events_url = os.environ.get("TOKENCAKE_EVENTS_URL") or None
-        if events_url is None and urlsplit(self.base_url).hostname in _LOOPBACK:
-            events_url = "auto"
-        if events_url is None or events_url is False or events_url == "":
-            return None
-        if events_url is True or events_url == "auto":
-            parts = urlsplit(self.base_url)
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-            host = parts.hostname or "127.0.0.1"
-            host = f"[{host}]" if ":" in host else host
-            return urlunsplit((parts.scheme or "http", f"{host}:{port + EVENTS_PORT_OFFSET}", "", "", ""))
-        return str(events_url).rstrip("/")
+        return events_url_for(self.base_url, events_url)
 
     def _make_http_client(self) -> httpx.AsyncClient:
         """The httpx client under the openai client (ScriptedLLM swaps in a MockTransport)."""
@@ -152,7 +151,7 @@ class LLM:
             base_url=self.base_url,
             api_key=self.api_key or "EMPTY",
             timeout=self.timeout,
-            max_retries=self.max_retries,
+            max_retries=0 if self.retry is not None else self.max_retries,
             http_client=self._http_client or self._make_http_client(),
         )
 
@@ -175,7 +174,10 @@ class LLM:
             return self.model
         async with self._model_lock.get():
             if not self.model:
-                page = await self.client.models.list()
+                try:
+                    page = await self.client.models.list()
+                except openai.APIConnectionError as exc:
+                    raise LLMConnectionError(self.base_url, exc) from exc
                 ids = [m.id for m in page.data]
                 if not ids:
                     raise RuntimeError(f"the server at {self.base_url} lists no models; pass model=")
@@ -193,8 +195,107 @@ class LLM:
         tool_choice: str | None = None,
         stop: str | list[str] | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        max_retries: int | None = None,
     ) -> LLMReply:
-        """One chat completion (non-streaming), with ``meta`` and its priority in the body."""
+        """One chat completion (non-streaming), with ``meta`` and its priority in the body.
+
+        ``max_retries`` overrides the openai client's HTTP retries for this request. An unreachable
+        server raises :class:`LLMConnectionError` naming the URL.
+        """
+        kwargs = await self._kwargs(
+            messages, meta, max_tokens, temperature, tools, tool_choice, stop, extra_body, response_format
+        )
+        started = time.perf_counter()
+        try:
+            completion = await self._client(max_retries).chat.completions.create(**kwargs)
+        except openai.APIConnectionError as exc:
+            raise LLMConnectionError(self.base_url, exc) from exc
+        latency = time.perf_counter() - started
+        return _reply(completion, latency)
+
+    async def chat_stream(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        meta: RequestMeta | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | None = None,
+        stop: str | list[str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        max_retries: int | None = None,
+    ) -> AsyncIterator[str | LLMReply]:
+        """One streamed chat completion: yields the text deltas, then the whole :class:`LLMReply`.
+
+        Tool calls arrive in pieces and are assembled; usage comes from the server's final chunk
+        (``stream_options.include_usage``).
+        """
+        kwargs = await self._kwargs(
+            messages, meta, max_tokens, temperature, tools, tool_choice, stop, extra_body, response_format
+        )
+        kwargs.update(stream=True, stream_options={"include_usage": True})
+        started = time.perf_counter()
+        try:
+            stream = await self._client(max_retries).chat.completions.create(**kwargs)
+        except openai.APIConnectionError as exc:
+            raise LLMConnectionError(self.base_url, exc) from exc
+        parts: list[str] = []
+        calls: dict[int, dict[str, str]] = {}
+        finish: str | None = None
+        usage = Usage()
+        model = ""
+        try:
+            async for chunk in stream:
+                model = chunk.model or model
+                if chunk.usage is not None:
+                    usage = Usage(
+                        chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens
+                    )
+                for choice in chunk.choices[:1]:
+                    delta = choice.delta
+                    for part in delta.tool_calls or []:
+                        acc = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+                        acc["id"] = acc["id"] or (part.id or "")
+                        if part.function is not None:
+                            acc["name"] = acc["name"] or (part.function.name or "")
+                            acc["arguments"] += part.function.arguments or ""
+                    finish = choice.finish_reason or finish
+                    if delta.content:
+                        parts.append(delta.content)
+                        yield delta.content
+        except openai.APIConnectionError as exc:
+            raise LLMConnectionError(self.base_url, exc) from exc
+        finally:
+            await stream.close()
+        tool_calls = [_tool_call(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+        yield LLMReply(
+            text="".join(parts),
+            tool_calls=[c for c in tool_calls if c is not None],
+            usage=usage,
+            finish_reason=finish,
+            model=model,
+            latency_s=time.perf_counter() - started,
+        )
+
+    def _client(self, max_retries: int | None) -> openai.AsyncOpenAI:
+        client = self.client
+        return client if max_retries is None else client.with_options(max_retries=max_retries)
+
+    async def _kwargs(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        meta: RequestMeta | None,
+        max_tokens: int | None,
+        temperature: float | None,
+        tools: Sequence[Mapping[str, Any]] | None,
+        tool_choice: str | None,
+        stop: str | list[str] | None,
+        extra_body: Mapping[str, Any] | None,
+        response_format: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
         model = await self.resolve_model()
         kwargs: dict[str, Any] = {"model": model, "messages": list(messages)}
         if max_tokens is not None:
@@ -207,11 +308,10 @@ class LLM:
             kwargs["tools"] = list(tools)
             if tool_choice is not None:
                 kwargs["tool_choice"] = tool_choice
+        if response_format is not None:
+            kwargs["response_format"] = dict(response_format)
         kwargs["extra_body"] = request_extra_body(meta, {**self.extra_body, **(extra_body or {})})
-        started = time.perf_counter()
-        completion = await self.client.chat.completions.create(**kwargs)
-        latency = time.perf_counter() - started
-        return _reply(completion, latency)
+        return kwargs
 
     async def aclose(self) -> None:
         client = self._clients.current()
@@ -235,13 +335,37 @@ def request_extra_body(
     meta: RequestMeta | None, extra_body: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Merge the TokenCake fields into the caller's ``extra_body`` (caller's own keys are kept)."""
-    body: dict[str, Any] = dict(extra_body or {})
-    if meta is not None:
-        kv = dict(body.get("kv_transfer_params") or {})
-        kv.setdefault(META_KEY, meta.model_dump(mode="json"))
-        body["kv_transfer_params"] = kv
-        body.setdefault("priority", priority_from_graph(meta.graph, meta.importance))
-    return body
+    if meta is None:
+        return dict(extra_body or {})
+    return merge_metadata(extra_body, metadata_fields(meta))
+
+
+def events_url_for(base_url: str, events_url: str | bool | None) -> str | None:
+    """Where stall events go for a server at ``base_url`` (see :class:`LLM` for the rules)."""
+    if events_url is None:
+        events_url = os.environ.get("TOKENCAKE_EVENTS_URL") or None
+    if events_url is None and urlsplit(base_url).hostname in _LOOPBACK:
+        events_url = "auto"
+    if events_url is None or events_url is False or events_url == "":
+        return None
+    if events_url is True or events_url == "auto":
+        parts = urlsplit(base_url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host = parts.hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        return urlunsplit((parts.scheme or "http", f"{host}:{port + EVENTS_PORT_OFFSET}", "", "", ""))
+    return str(events_url).rstrip("/")
+
+
+def _tool_call(call_id: str, name: str, arguments: str | None) -> ToolCall | None:
+    if not name:
+        return None
+    try:
+        args = json.loads(arguments or "{}")
+        raw = None if isinstance(args, dict) else arguments
+    except json.JSONDecodeError:
+        args, raw = {}, arguments
+    return ToolCall(call_id, name, args if isinstance(args, dict) else {}, raw)
 
 
 def _reply(completion: Any, latency: float) -> LLMReply:
@@ -254,12 +378,9 @@ def _reply(completion: Any, latency: float) -> LLMReply:
         function = getattr(call, "function", None)
         if function is None:  # custom (non-function) tool calls are not ours
             continue
-        try:
-            args = json.loads(function.arguments or "{}")
-            raw = None if isinstance(args, dict) else function.arguments
-        except json.JSONDecodeError:
-            args, raw = {}, function.arguments
-        calls.append(ToolCall(call.id, function.name, args if isinstance(args, dict) else {}, raw))
+        parsed = _tool_call(call.id, function.name, function.arguments)
+        if parsed is not None:
+            calls.append(parsed)
     usage = completion.usage
     return LLMReply(
         text=message.content or "",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
 
@@ -13,17 +13,25 @@ from tokencake.events import StallBegin, StallEnd
 
 from ._llm import Usage
 
+if TYPE_CHECKING:
+    import networkx as nx
+
 EventKind = Literal[
     "run_started",
     "node_ready",
     "node_started",
     "llm_started",
     "llm_finished",
+    "llm_failed",
     "tool_started",
     "tool_finished",
     "node_finished",
     "node_failed",
     "run_finished",
+    # only app.stream() yields these (they are not in RunResult.events):
+    "stall_begin",
+    "stall_end",
+    "run_result",
 ]
 
 NodeStatus = Literal["pending", "ready", "running", "ok", "failed", "cancelled"]
@@ -31,12 +39,16 @@ NodeStatus = Literal["pending", "ready", "running", "ok", "failed", "cancelled"]
 
 @dataclass(frozen=True)
 class RunEvent:
-    """One state change of a run (``ts`` is unix time); ``node`` is None for run-level events."""
+    """One state change of a run (``ts`` is unix time); ``node`` is None for run-level events.
+
+    ``run_id`` tells the runs apart when one observer watches several at once.
+    """
 
     kind: EventKind
     node: str | None
     ts: float
     data: dict[str, Any] = field(default_factory=dict)
+    run_id: str = ""
 
 
 @dataclass
@@ -79,7 +91,12 @@ class NodeResult:
 
 @dataclass
 class RunResult:
-    """The result of ``app.run``; ``status`` is ``ok`` unless it is a partial result of a failure."""
+    """The result of ``app.run``.
+
+    ``status`` is ``ok``, or for the partial result of a run that did not complete ``failed``,
+    ``timeout`` or ``cancelled``: then :attr:`completed` and :attr:`unfinished` say what got done.
+    ``graph`` is the run's DAG: the app's graph plus the nodes spawned by ``ctx.fan_out``.
+    """
 
     run_id: str
     app: str
@@ -90,6 +107,17 @@ class RunResult:
     started: float = 0.0
     finished: float = 0.0
     status: str = "ok"
+    graph: nx.DiGraph | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def completed(self) -> list[str]:
+        """Nodes that finished with an output (status ``ok``), in run order."""
+        return [name for name, node in self.nodes.items() if node.status == "ok"]
+
+    @property
+    def unfinished(self) -> list[str]:
+        """Nodes that did not finish: failed, cancelled, or never started."""
+        return [name for name, node in self.nodes.items() if node.status != "ok"]
 
     @property
     def outputs(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import itertools
 import json
 import re
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +21,11 @@ import httpx
 from tokencake.events import META_KEY
 
 from ._llm import LLM, ToolCall
+from ._retry import Retry
 
 Reply = str | ToolCall | list[ToolCall] | dict[str, Any]
 ReplyFn = Callable[["ScriptedRequest"], Reply]
-Script = str | ReplyFn | Sequence[Reply] | Mapping[str, ReplyFn | Sequence[Reply] | str]
+Script = str | ReplyFn | Sequence[Reply | ReplyFn] | Mapping[str, ReplyFn | Sequence[Reply | ReplyFn] | str]
 
 _WORD = re.compile(r"\S+")
 
@@ -38,7 +39,10 @@ def count_tokens(text: str | None) -> int:
 
 @dataclass(frozen=True)
 class ScriptedRequest:
-    """One chat request as the scripted model sees it (read its fields to decide the reply)."""
+    """One chat request as the scripted model sees it (read its fields to decide the reply).
+
+    ``tools`` lists the names of the tools the request offers; ``body`` is the whole JSON body.
+    """
 
     body: dict[str, Any]
     index: int  # 0-based number of this request on this ScriptedLLM
@@ -57,6 +61,17 @@ class ScriptedRequest:
     @property
     def turn(self) -> int:
         return int(self.meta.get("turn", 0))
+
+    @property
+    def stream(self) -> bool:
+        """True when the client asked for a streamed (SSE) reply."""
+        return bool(self.body.get("stream"))
+
+    @property
+    def response_format(self) -> dict[str, Any] | None:
+        """The request's ``response_format`` (e.g. a ``json_schema`` for structured output)."""
+        value = self.body.get("response_format")
+        return value if isinstance(value, dict) else None
 
     @property
     def prompt(self) -> str:
@@ -82,10 +97,13 @@ class ScriptedLLM(LLM):
     """Replies from a script instead of a model.
 
     ``replies`` is one of: a string (always that text); a function ``f(ScriptedRequest)`` returning a
-    reply; a list of replies consumed in order; or a dict ``{node: list | function | str}`` with an
-    optional ``"*"`` fallback. A reply is a string, a :class:`ToolCall`, a list of them, or a dict
-    ``{"content": ..., "tool_calls": [...], "finish_reason": ...}``. ``token_delay`` seconds are
-    slept per completion token (simulated decoding).
+    reply; a list of replies (or such functions) consumed in order; or a dict
+    ``{node: list | function | str}`` with an optional ``"*"`` fallback. A reply is a string, a
+    :class:`ToolCall`, a list of them, or a dict ``{"content": ..., "tool_calls": [...],
+    "finish_reason": ...}``. ``token_delay`` seconds are slept per completion token (simulated
+    decoding). Streamed requests (``stream=True``) get
+    server-sent events, one chunk per word, tool-call arguments in two pieces, and a final usage
+    chunk when ``stream_options.include_usage`` asks for it.
     """
 
     def __init__(
@@ -96,13 +114,14 @@ class ScriptedLLM(LLM):
         model: str = "scripted",
         events_url: str | bool | None = False,
         base_url: str = "http://scripted.tokencake.invalid/v1",
+        retry: Retry | int | None = None,
     ) -> None:
         self.requests: list[dict[str, Any]] = []
         self.token_delay = token_delay
         self.served_model = model
         self._script = _compile(replies)
         self._ids = itertools.count(1)
-        super().__init__(base_url, None, "scripted", events_url=events_url, max_retries=0)
+        super().__init__(base_url, None, "scripted", events_url=events_url, max_retries=0, retry=retry)
 
     def _make_http_client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.MockTransport(self._handle), timeout=self.timeout)
@@ -121,8 +140,6 @@ class ScriptedLLM(LLM):
         return _error(404, f"ScriptedLLM does not serve {request.method} {path}")
 
     async def _complete(self, body: dict[str, Any]) -> httpx.Response:
-        if body.get("stream"):
-            return _error(400, "ScriptedLLM does not stream; use stream=False")
         self.requests.append(body)
         kv = body.get("kv_transfer_params") or {}
         tools = [t.get("function", {}).get("name", "") for t in body.get("tools") or []]
@@ -148,23 +165,75 @@ class ScriptedLLM(LLM):
             completion_tokens, finish = count_tokens(message["content"]), "length"
         completion_tokens = max(1, completion_tokens)
         prompt_tokens = sum(_message_tokens(m) for m in req.messages)
+        completion_id = f"chatcmpl-scripted-{next(self._ids)}"
+        model = body.get("model") or self.served_model
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        if req.stream:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            events = self._sse(completion_id, model, message, finish, usage if include_usage else None)
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events)
         if self.token_delay > 0:
             await anyio.sleep(self.token_delay * completion_tokens)
         return httpx.Response(
             200,
             json={
-                "id": f"chatcmpl-scripted-{next(self._ids)}",
+                "id": completion_id,
                 "object": "chat.completion",
                 "created": 0,
-                "model": body.get("model") or self.served_model,
+                "model": model,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
+                "usage": usage,
             },
         )
+
+    async def _sse(
+        self,
+        completion_id: str,
+        model: str,
+        message: dict[str, Any],
+        finish: str,
+        usage: dict[str, int] | None,
+    ) -> AsyncIterator[bytes]:
+        """The completion as ``chat.completion.chunk`` server-sent events."""
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            chunk = {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": model,
+                "choices": choices,
+                **extra,
+            }
+            return f"data: {json.dumps(chunk)}\n\n".encode()
+
+        def delta(body: dict[str, Any], finish_reason: str | None = None) -> bytes:
+            return event([{"index": 0, "delta": body, "finish_reason": finish_reason, "logprobs": None}])
+
+        yield delta({"role": "assistant", "content": ""})
+        for piece in re.split(r"(?<=\s)(?=\S)", message.get("content") or ""):
+            if piece:
+                if self.token_delay > 0:
+                    await anyio.sleep(self.token_delay * max(1, count_tokens(piece)))
+                yield delta({"content": piece})
+        for index, call in enumerate(message.get("tool_calls", [])):
+            args = call["function"]["arguments"]
+            half = len(args) // 2
+            head = {"name": call["function"]["name"], "arguments": args[:half]}
+            yield delta(
+                {"tool_calls": [{"index": index, "id": call["id"], "type": "function", "function": head}]}
+            )
+            if self.token_delay > 0:
+                await anyio.sleep(self.token_delay * max(1, count_tokens(args)))
+            yield delta({"tool_calls": [{"index": index, "function": {"arguments": args[half:]}}]})
+        yield delta({}, finish)
+        if usage is not None:
+            yield event([], usage=usage)
+        yield b"data: [DONE]\n\n"
 
     def _message(self, reply: Reply) -> tuple[dict[str, Any], str]:
         finish = None
@@ -219,15 +288,16 @@ def _compile(replies: Script) -> ReplyFn:
     raise TypeError(f"ScriptedLLM replies must be str, callable, list or dict, got {type(replies).__name__}")
 
 
-def _compile_one(entry: ReplyFn | Sequence[Reply] | str, what: str) -> ReplyFn:
+def _compile_one(entry: ReplyFn | Sequence[Reply | ReplyFn] | str, what: str) -> ReplyFn:
     if isinstance(entry, str) or callable(entry):
         return _compile(entry)
-    queue: deque[Reply] = deque(entry)
+    queue: deque[Reply | ReplyFn] = deque(entry)
 
     def pop(req: ScriptedRequest) -> Reply:
         if not queue:
             raise _ScriptExhausted(f"ScriptedLLM: {what} has no reply left (request {req.index})")
-        return queue.popleft()
+        reply = queue.popleft()
+        return reply(req) if callable(reply) else reply
 
     return pop
 

@@ -8,15 +8,18 @@ transport errors, and the runner guards custom hooks.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import warnings
+from collections.abc import Awaitable, Callable
+from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import httpx
 
-from tokencake.events import EVENTS_PATH, EventAck, StallBegin, StallEnd
+from tokencake.events import EVENTS_PATH, EventAck, Outcome, StallBegin, StallEnd
 
 from ._loop import LoopLocal
 
@@ -186,3 +189,79 @@ class StallHooks:
         if id(hook) not in self._warned:
             self._warned.add(id(hook))
             warnings.warn(f"stall hook {hook!r} failed: {exc!r}", RuntimeWarning, stacklevel=3)
+
+
+class StallScope:
+    """Brackets a block with ``stall_begin`` and ``stall_end``; the end is sent whatever happens.
+
+    ``async with`` sends the begin event, runs the block and sends the end event in a shielded
+    cancel scope, also when the block raises or is cancelled. The outcome follows from how the block
+    ended (``ok``, ``error``, ``timeout`` for a ``TimeoutError``, ``cancelled``) unless :meth:`fail`
+    set it. Exceptions propagate unchanged: a stall never changes what the block does.
+    """
+
+    def __init__(
+        self,
+        begin: StallBegin,
+        send_begin: Callable[[StallBegin], Awaitable[None]],
+        send_end: Callable[[StallEnd], Awaitable[None]],
+    ) -> None:
+        self.begin = begin
+        #: The end event, once sent.
+        self.end: StallEnd | None = None
+        self.outcome: Outcome | None = None
+        self.error: str | None = None
+        #: Seconds the block ran (begin acknowledged -> block done).
+        self.duration_s = 0.0
+        self._send_begin = send_begin
+        self._send_end = send_end
+        self._started: float | None = None
+
+    @property
+    def stall_id(self) -> str:
+        return self.begin.stall_id
+
+    def fail(self, outcome: Outcome, error: str | None = None) -> None:
+        """Report ``outcome`` (e.g. an error the block caught itself) in the end event."""
+        self.outcome, self.error = outcome, error
+
+    async def __aenter__(self) -> StallScope:
+        try:
+            await self._send_begin(self.begin)
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._started = time.perf_counter()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._started is not None:
+            self.duration_s = max(0.0, time.perf_counter() - self._started)
+        if self.outcome is None:
+            self.outcome, self.error = _outcome(exc)
+        self.end = StallEnd(
+            stall_id=self.begin.stall_id,
+            session_id=self.begin.session_id,
+            run_id=self.begin.run_id,
+            node=self.begin.node,
+            tool=self.begin.tool,
+            outcome=self.outcome,
+            duration_s=self.duration_s,
+            error=self.error[:2000] if self.error else None,
+            ts=time.time(),
+        )
+        with anyio.CancelScope(shield=True):
+            await self._send_end(self.end)
+
+
+def _outcome(exc: BaseException | None) -> tuple[Outcome, str | None]:
+    if exc is None:
+        return "ok", None
+    if isinstance(
+        exc, anyio.get_cancelled_exc_class() | asyncio.CancelledError | GeneratorExit | KeyboardInterrupt
+    ):
+        return "cancelled", None
+    detail = f"{type(exc).__name__}: {exc}"
+    return ("timeout" if isinstance(exc, TimeoutError) else "error"), detail

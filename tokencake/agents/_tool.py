@@ -17,6 +17,7 @@ import anyio
 from pydantic import BaseModel
 
 from ._errors import AppDefinitionError, ToolArgumentsError
+from ._retry import TOOL_ERRORS, ExceptionTypes, Retry, as_retry
 from ._schema import SchemaError, build_args_model, json_schema, validate_args
 
 # OpenAI function names: letters, digits, underscores and dashes, at most 64 characters.
@@ -27,7 +28,11 @@ _MAX_PREDICT_S = 86400.0
 
 @dataclass(eq=False)
 class Tool:
-    """A registered tool. Build it with ``@app.tool(...)`` or ``app.add_tool(fn, ...)``."""
+    """A registered tool. Build it with ``@app.tool(...)`` or ``app.add_tool(fn, ...)``.
+
+    ``retries`` is a number of extra attempts or a :class:`Retry`; ``retry_on`` narrows which
+    exceptions are retried (default: any). ``retry`` is the resulting policy.
+    """
 
     name: str
     fn: Callable[..., Any]
@@ -35,8 +40,10 @@ class Tool:
     kind: str = "tool"
     stages: dict[str, float] | None = None
     timeout: float | None = None
-    retries: int = 0
+    retries: int | Retry = 0
     description: str = ""
+    retry_on: type[BaseException] | ExceptionTypes | None = None
+    retry: Retry = field(init=False, repr=False)
     args_model: type[BaseModel] = field(init=False, repr=False)
     _positional: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -51,8 +58,10 @@ class Tool:
             problems.append(f"tool {self.name!r}: kind must be a string of 1..100 characters")
         if self.timeout is not None and not (self.timeout > 0):
             problems.append(f"tool {self.name!r}: timeout must be > 0 seconds")
-        if not isinstance(self.retries, int) or self.retries < 0:
-            problems.append(f"tool {self.name!r}: retries must be an int >= 0")
+        try:
+            self.retry = as_retry(self.retries, retry_on=self.retry_on, what="retries") or Retry(0)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"tool {self.name!r}: retries must be an int >= 0 or a tc.Retry ({exc})")
         if self.stages is not None:
             if not isinstance(self.stages, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, int | float) and 0 <= v <= _MAX_PREDICT_S
@@ -77,6 +86,10 @@ class Tool:
     @property
     def is_async(self) -> bool:
         return is_async_callable(self.fn)
+
+    def should_retry(self, exc: BaseException, attempt: int) -> bool:
+        """True when attempt ``attempt`` ended with ``exc`` and the policy allows another one."""
+        return self.retry.should_retry(exc, attempt, TOOL_ERRORS)
 
     @property
     def predicted_s(self) -> float | None:

@@ -329,6 +329,9 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("tokencake", "ideal"),
     ("baseline", "ideal"),
     ("tokencake-roomy", "ideal"),
+    ("tokencake-roomy", "ideal-priority"),
+    ("tokencake", "baseline-priority"),
+    ("ideal-priority", "ideal"),
 )
 #: Extension summary fields of the ``tokencake`` system copied into each point's comparison.
 EXTENSION_HEADLINES: tuple[str, ...] = (

@@ -13,7 +13,12 @@ state.
 ``prefetch-off``    extension with offload + demand load only (what the public 0.22 port did)
 ``demand-off``      extension with offload + predictive prefetch only (no demand-load fallback)
 ``tokencake-roomy`` vLLM + the extension with the ideal's ``ideal_blocks`` KV (no pressure): its own cost
+``baseline-priority`` ``baseline`` with ``--scheduling-policy priority`` (what every extension server runs)
+``ideal-priority``  ``ideal`` with ``--scheduling-policy priority``
 =================== =================================================================================
+
+The ``*-priority`` controls isolate vLLM's priority scheduler (which also changes which request vLLM
+preempts) from the connector: ``tokencake-roomy / ideal-priority`` is the connector's own cost.
 
 ``offload-only`` is accepted as another name for ``prefetch-off``.
 """
@@ -40,6 +45,8 @@ class SystemSpec:
     #: Extension feature flags; ignored for stock systems.
     flags: dict[str, bool] = field(default_factory=dict)
     description: str = ""
+    #: Stock systems only: run vLLM's priority scheduler (extension servers always do).
+    priority: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +55,7 @@ class SystemSpec:
             "kv": self.kv,
             "flags": dict(self.flags),
             "description": self.description,
+            "priority": self.priority or not self.stock,
         }
 
 
@@ -79,6 +87,19 @@ SYSTEMS: dict[str, SystemSpec] = {
         kv="ideal",
         flags=dict(_ALL_ON),
         description="vLLM + TokenCake with the ideal's KV size (no pressure): the extension's own cost",
+    ),
+    "baseline-priority": SystemSpec(
+        "baseline-priority",
+        stock=True,
+        priority=True,
+        description="stock vLLM with --scheduling-policy priority (control for the extension's flag)",
+    ),
+    "ideal-priority": SystemSpec(
+        "ideal-priority",
+        stock=True,
+        kv="ideal",
+        priority=True,
+        description="the ideal with --scheduling-policy priority (control for tokencake-roomy)",
     ),
 }
 ALIASES = {"offload-only": "prefetch-off", "stock": "baseline", "vllm": "baseline"}
@@ -133,8 +154,11 @@ def server_kwargs(spec: SystemSpec, config: ServerConfig, server_cls: Any) -> di
         "max_model_len": config.max_model_len,
         "eager": config.eager,
     }
-    if config.extra_args:
-        kwargs["extra_args"] = tuple(config.extra_args)
+    extra = tuple(config.extra_args)
+    if spec.stock and spec.priority:
+        extra += ("--scheduling-policy", "priority")
+    if extra:
+        kwargs["extra_args"] = extra
     if spec.stock:
         return kwargs
     if config.host_pool_blocks is not None:

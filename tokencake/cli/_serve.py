@@ -35,10 +35,18 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", help="HF model directory or hub id (default: the bundled SmolLM2-135M)")
     p.add_argument("--served-model-name", help="name clients use (default: derived from --model)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="OpenAI bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"OpenAI port (default {DEFAULT_PORT})")
+    p.add_argument(
+        "--events-host",
+        help="events listener bind address (default 127.0.0.1 whatever --host is; another needs a key)",
+    )
     p.add_argument("--events-port", type=int, help="events port (default: --port + 1)")
-    p.add_argument("--api-key", default=os.environ.get("TOKENCAKE_API_KEY"), help="require this API key")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENCAKE_API_KEY"),
+        help="require this API key (prefer $TOKENCAKE_API_KEY: other users can read a command line)",
+    )
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-gib", type=float, help="device KV cache size in GiB (CPU default: 1)")
     kv.add_argument("--num-gpu-blocks", type=int, help="device KV cache size in blocks")
@@ -115,6 +123,8 @@ def build_server(args: argparse.Namespace) -> Any:
 
     if args.port is not None and not 0 <= args.port < 65536:
         raise CLIError(f"--port {args.port} is out of range")
+    if args.events_port is not None and not 0 < args.events_port < 65536:
+        raise CLIError(f"--events-port {args.events_port} is out of range")
     for name in ("num_gpu_blocks", "host_pool_blocks", "max_model_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -137,6 +147,7 @@ def build_server(args: argparse.Namespace) -> Any:
         eager=args.eager,
         extra_args=_extra_args(args),
         events_port=args.events_port,
+        events_host=args.events_host,
         log_file=args.log_file,
         served_model_name=args.served_model_name,
         scheduler_cls=args.scheduler_cls,

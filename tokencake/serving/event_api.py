@@ -6,13 +6,22 @@ timeouts, and every handler error turned into a JSON 500 instead of an exception
 (``handler(event) -> EventAck``) only does bookkeeping; block copies happen later on the engine
 thread, so an ack never waits for an engine step.
 
+Connections are capped (``max_connections``, one thread each): when the cap is reached, the
+connection idle the longest (keep-alive, or still sending its request) is closed to make room, and
+only when every connection is busy in a handler is the new one answered ``503`` at once. Idle
+sockets can therefore neither exhaust the threads of EngineCore nor lock legitimate clients out.
+
 Routes: ``POST /v1/events`` (one event, see ``docs/events.md``), ``GET /v1/stats`` (JSON counters),
-``GET /health``. With ``api_key`` set, events and stats need ``Authorization: Bearer <key>``.
+``GET /health``. With ``api_key`` set, events and stats need ``Authorization: Bearer <key>``;
+without a key, ``/v1/stats`` (agent and tool names of every tenant) answers loopback clients only.
+The key reaches EngineCore through the environment (:data:`EVENTS_API_KEY_ENV`), never argv.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import socket
@@ -36,7 +45,18 @@ from tokencake.events import (
 )
 from tokencake.serving.stats import Stats
 
-__all__ = ["HTTP_STATUS_BY_REASON", "EventHandler", "EventServer", "http_status"]
+__all__ = [
+    "EVENTS_API_KEY_ENV",
+    "HTTP_STATUS_BY_REASON",
+    "EventHandler",
+    "EventServer",
+    "http_status",
+    "is_loopback",
+]
+
+#: Environment variable that carries the events API key into vLLM's processes (``Server`` sets it
+#: in the vLLM child's environment only; the connector reads it). Keeps the key out of argv/logs.
+EVENTS_API_KEY_ENV = "TOKENCAKE_EVENTS_API_KEY"
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +99,135 @@ def _validation_detail(exc: ValidationError) -> str:
     return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
 
 
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (IPv4-mapped IPv6 included)."""
+    if host == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def _busy_response() -> bytes:
+    body = json.dumps(
+        {"ok": False, "status": "rejected", "reason": "unavailable", "detail": "too many connections"}
+    ).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_BUSY_RESPONSE = _busy_response()
+#: How long the accept loop waits for shed connections' threads before answering 503.
+_SHED_WAIT_S = 0.1
+
+
 class _HTTPServer(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` with at most ``max_connections`` open connections (see module doc)."""
+
     daemon_threads = True
     allow_reuse_address = True
     # Keep-alive connections park handler threads in a read; closing must not wait for them.
     block_on_close = False
     request_queue_size = 128
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler_cls: type[BaseHTTPRequestHandler],
+        *,
+        max_connections: int,
+        metrics: Stats,
+    ) -> None:
+        self.max_connections = max_connections
+        self.metrics = metrics
+        self._conn_cond = threading.Condition()
+        #: Open connections → busy (in a handler); least recently active first.
+        self._conns: dict[socket.socket, bool] = {}
+        #: Connections closed to make room whose threads have not finished yet.
+        self._shed: set[socket.socket] = set()
+        super().__init__(address, handler_cls)
+
+    @property
+    def open_connections(self) -> int:
+        with self._conn_cond:
+            return len(self._conns) + len(self._shed)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._admit(request):
+            self.metrics.inc("connections.refused")
+            self.metrics.inc("http.503")
+            _refuse(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:  # no thread could be started: drop this one connection
+            self._forget(request)
+            self.metrics.inc("connections.thread_errors")
+            self.shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that vanished mid-answer (or a connection shed to make room) is not news;
+        # socketserver's default prints a traceback into vLLM's log.
+        logger.debug("events connection from %s ended with an error", client_address, exc_info=True)
+
+    def mark(self, request: socket.socket, busy: bool) -> None:
+        """Record that ``request`` runs a handler (busy) or waits for its client (idle)."""
+        with self._conn_cond:
+            if request in self._conns:
+                del self._conns[request]  # re-inserted last: most recently active
+                self._conns[request] = busy
+
+    def _admit(self, request: socket.socket) -> bool:
+        deadline = time.monotonic() + _SHED_WAIT_S
+        with self._conn_cond:
+            while len(self._conns) >= self.max_connections:
+                idle = next((sock for sock, busy in self._conns.items() if not busy), None)
+                if idle is None:
+                    return False
+                if len(self._shed) < self.max_connections:
+                    del self._conns[idle]
+                    self._shed.add(idle)
+                    with contextlib.suppress(OSError):
+                        idle.shutdown(socket.SHUT_RDWR)  # its blocked read returns at once
+                    self.metrics.inc("connections.shed")
+                    continue
+                # Too many shed connections still finishing: give their threads a moment.
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._conn_cond.wait(left):
+                    return False
+            self._conns[request] = False
+            return True
+
+    def _forget(self, request: socket.socket) -> None:
+        with self._conn_cond:
+            self._conns.pop(request, None)
+            self._shed.discard(request)
+            self._conn_cond.notify_all()
+
+
+def _refuse(sock: socket.socket) -> None:
+    """Answer 503 without blocking the accept loop (best effort: the client may see a reset)."""
+    try:
+        sock.setblocking(False)
+        with contextlib.suppress(OSError):
+            sock.recv(64 * 1024)  # what already arrived: closing with unread data resets the answer
+        sock.send(_BUSY_RESPONSE)
+    except OSError:
+        pass
 
 
 class _HTTPServer6(_HTTPServer):
@@ -104,7 +247,10 @@ class EventServer:
         *,
         max_body_bytes: int = 64 * 1024,
         socket_timeout_s: float = 30.0,
+        max_connections: int = 64,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.host = host
         self.requested_port = port
         self.handler = handler
@@ -112,8 +258,9 @@ class EventServer:
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.socket_timeout_s = socket_timeout_s
+        self.max_connections = max_connections
         self.metrics = Stats(hist_window=2048)
-        self._httpd: ThreadingHTTPServer | None = None
+        self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -125,7 +272,12 @@ class EventServer:
                 return self
             request_handler = _make_request_handler(self)
             server_cls = _HTTPServer6 if ":" in self.host else _HTTPServer
-            httpd = server_cls((self.host, self.requested_port), request_handler)
+            httpd = server_cls(
+                (self.host, self.requested_port),
+                request_handler,
+                max_connections=self.max_connections,
+                metrics=self.metrics,
+            )
             self._httpd = httpd
             self._thread = threading.Thread(
                 target=httpd.serve_forever,
@@ -165,6 +317,12 @@ class EventServer:
         return int(httpd.server_address[1]) if httpd is not None else self.requested_port
 
     @property
+    def open_connections(self) -> int:
+        """Connections currently holding a thread (at most ``2 × max_connections``)."""
+        httpd = self._httpd
+        return httpd.open_connections if httpd is not None else 0
+
+    @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
@@ -177,6 +335,12 @@ class EventServer:
         if not header or not header.startswith("Bearer "):
             return False
         return hmac.compare_digest(header[7:].strip().encode(), self.api_key.encode())
+
+    def stats_allowed(self, header: str | None, peer: str) -> bool:
+        """``/v1/stats`` names every tenant's agents and tools: the key, or loopback without one."""
+        if self.api_key is not None:
+            return self.authorized(header)
+        return is_loopback(peer)
 
     def handle_event_body(self, body: bytes) -> EventAck:
         """Parse, validate and dispatch one event body; never raises."""
@@ -241,18 +405,32 @@ def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
+            self.wfile.flush()  # sent while still marked busy: an idle connection may be shed
             server.metrics.inc(f"http.{status}")
+
+        @contextlib.contextmanager
+        def _busy(self) -> Any:
+            httpd: _HTTPServer = self.server  # type: ignore[assignment]
+            httpd.mark(self.request, True)
+            try:
+                yield
+            finally:
+                httpd.mark(self.request, False)
 
         def _send_ack(self, ack: EventAck) -> None:
             self._send_json(http_status(ack), ack.model_dump(exclude_none=True))
 
         def do_GET(self) -> None:
+            with self._busy():
+                self._get()
+
+        def _get(self) -> None:
             try:
                 path = self.path.split("?", 1)[0]
                 if path == HEALTH_PATH:
                     self._send_json(200, {"ok": True})
                 elif path == STATS_PATH:
-                    if not server.authorized(self.headers.get("Authorization")):
+                    if not server.stats_allowed(self.headers.get("Authorization"), self.client_address[0]):
                         self._send_ack(_reject("unauthorized", "missing or wrong bearer token"))
                         return
                     self._send_json(200, server.stats_body())
@@ -274,13 +452,14 @@ def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
                     self._discard_body()
                     self._send_ack(_reject("unauthorized", "missing or wrong bearer token"))
                     return
-                body = self._read_body()
+                body = self._read_body()  # idle while the client sends: a slow body can be shed
                 if body is None:
                     return
-                t0 = time.perf_counter()
-                ack = server.handle_event_body(body)
-                server.metrics.observe("event_s", time.perf_counter() - t0)
-                self._send_ack(ack)
+                with self._busy():
+                    t0 = time.perf_counter()
+                    ack = server.handle_event_body(body)
+                    server.metrics.observe("event_s", time.perf_counter() - t0)
+                    self._send_ack(ack)
             except Exception as exc:
                 self._internal_error(exc)
 
@@ -300,7 +479,11 @@ def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
                     _reject("payload_too_large", f"{length} bytes > limit {server.max_body_bytes}")
                 )
                 return None
-            return self.rfile.read(length)
+            body = self.rfile.read(length)
+            if len(body) < length:  # the client went away (or the connection was shed)
+                self.close_connection = True
+                return None
+            return body
 
         def _discard_body(self) -> None:
             try:
@@ -313,6 +496,10 @@ def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
 
         def _internal_error(self, exc: Exception) -> None:
+            if isinstance(exc, (ConnectionError, TimeoutError)):  # client gone or shed: no answer
+                self.close_connection = True
+                server.metrics.inc("connections.broken")
+                return
             server.metrics.inc("internal_errors")
             logger.exception("tokencake events endpoint failed")
             self.close_connection = True

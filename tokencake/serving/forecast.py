@@ -11,6 +11,17 @@ and documented (see ``docs/policy.md``):
 
 The client's ``predicted_s`` wins over the sum of its ``stages``; the stages are used only when the
 hint is missing. Keys live in a bounded LRU so an adversarial client cannot grow memory.
+
+Two clamps keep one event from steering the server (both counted in ``stats()``):
+
+* every forecast, hint and stage sum is capped at ``max_s`` (:data:`MAX_FORECAST_S`, 300 s). A
+  stall's expiry is ``clamp(4 × forecast, 60 s, 3600 s)``, so no single ``stall_begin`` pins host
+  slots for more than 20 minutes, whatever its ``predicted_s``;
+* a measured duration is capped at ``max(outlier_factor × reference, outlier_floor_s)`` before it
+  enters the history, where the reference is the largest of the prediction used at begin, the
+  EWMA and the recent p90 (:data:`OUTLIER_FACTOR` 4, :data:`OUTLIER_FLOOR_S` 30 s). One bogus
+  ``duration_s`` then moves a key's EWMA by at most half of that bound; a tool that really became
+  slower is still learned, the bound growing ×4 with each report.
 """
 
 from __future__ import annotations
@@ -24,7 +35,22 @@ from typing import Any, Literal
 
 from tokencake.serving.stats import quantile
 
-__all__ = ["DurationForecaster", "ErrorStats", "Forecast", "ForecastSource"]
+__all__ = [
+    "MAX_FORECAST_S",
+    "OUTLIER_FACTOR",
+    "OUTLIER_FLOOR_S",
+    "DurationForecaster",
+    "ErrorStats",
+    "Forecast",
+    "ForecastSource",
+]
+
+#: Upper bound of any forecast, hint or learned duration (seconds).
+MAX_FORECAST_S = 300.0
+#: A measured duration counts at most this many times the reference (see the module doc)…
+OUTLIER_FACTOR = 4.0
+#: …but durations up to this many seconds always count in full.
+OUTLIER_FLOOR_S = 30.0
 
 ForecastSource = Literal["default", "hint", "stages", "history", "blend"]
 
@@ -115,7 +141,9 @@ class DurationForecaster:
         hint_weight: float = 0.5,
         window: int = 32,
         max_keys: int = 1024,
-        max_s: float = 86400.0,
+        max_s: float = MAX_FORECAST_S,
+        outlier_factor: float = OUTLIER_FACTOR,
+        outlier_floor_s: float = OUTLIER_FLOOR_S,
     ) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
@@ -123,17 +151,23 @@ class DurationForecaster:
             raise ValueError(f"hint_weight must be in [0, 1], got {hint_weight}")
         if default_s < 0 or window < 1 or max_keys < 1:
             raise ValueError("default_s must be >= 0, window and max_keys >= 1")
+        if not max_s > 0 or outlier_factor < 1 or outlier_floor_s < 0:
+            raise ValueError("max_s must be > 0, outlier_factor >= 1, outlier_floor_s >= 0")
         self.alpha = alpha
         self.default_s = default_s
         self.hint_weight = hint_weight
         self.window = window
         self.max_keys = max_keys
         self.max_s = max_s
+        self.outlier_factor = outlier_factor
+        self.outlier_floor_s = outlier_floor_s
         self._lock = threading.Lock()
         self._keys: OrderedDict[tuple[str, str], _KeyHistory] = OrderedDict()
         self._errors = ErrorStats()
         self._by_source: dict[str, int] = {}
         self._evicted_keys = 0
+        self._clamped_hints = 0
+        self._clamped_observations = 0
 
     def predict(
         self,
@@ -149,6 +183,9 @@ class DurationForecaster:
             hint = _stages_sum(stages)
             hint_source = "stages"
         with self._lock:
+            if hint is not None and hint > self.max_s:
+                hint = self.max_s
+                self._clamped_hints += 1
             hist = self._keys.get((agent_type, tool))
             if hist is not None:
                 self._keys.move_to_end((agent_type, tool))
@@ -185,12 +222,12 @@ class DurationForecaster:
     def observe(self, agent_type: str, tool: str, actual_s: float, predicted_s: float | None = None) -> None:
         """Learn one measured duration; ``predicted_s`` (what was used at begin) feeds the error stats.
 
-        Negative, NaN or infinite durations are ignored.
+        Negative, NaN or infinite durations are ignored; outliers are capped (module doc), so a
+        single report cannot poison the forecast that every session of the key shares.
         """
         actual = _clean(actual_s)
         if actual is None:
             return
-        actual = min(actual, self.max_s)
         predicted = _clean(predicted_s)
         key = (agent_type, tool)
         with self._lock:
@@ -202,12 +239,25 @@ class DurationForecaster:
                     self._evicted_keys += 1
             else:
                 self._keys.move_to_end(key)
+            bound = min(self.max_s, self._outlier_bound(hist, predicted))
+            if actual > bound:
+                actual = bound
+                self._clamped_observations += 1
             hist.ewma = actual if hist.ewma is None else self.alpha * actual + (1 - self.alpha) * hist.ewma
             hist.samples += 1
             hist.recent.append(actual)
             if predicted is not None:
                 hist.errors.add(predicted, actual)
                 self._errors.add(predicted, actual)
+
+    def _outlier_bound(self, hist: _KeyHistory, predicted: float | None) -> float:
+        """The largest duration one report may contribute (``inf`` with nothing to compare to)."""
+        refs = [r for r in (predicted, hist.ewma) if r is not None]
+        if hist.recent:
+            refs.append(quantile(sorted(hist.recent), 0.9))
+        if not refs:
+            return math.inf
+        return max(self.outlier_factor * max(refs), self.outlier_floor_s)
 
     def key_stats(self, agent_type: str, tool: str) -> dict[str, Any] | None:
         """History and error statistics of one key, or None if never observed (or evicted)."""
@@ -234,6 +284,8 @@ class DurationForecaster:
             return {
                 "keys": len(self._keys),
                 "evicted_keys": self._evicted_keys,
+                "clamped_hints": self._clamped_hints,
+                "clamped_observations": self._clamped_observations,
                 "predictions_by_source": dict(self._by_source),
                 "error": self._errors.as_dict(),
                 "by_key": {f"{a}/{t}": self._key_dict(h) for (a, t), h in reversed(keys)},

@@ -11,6 +11,9 @@ layer, allocated once in the worker process (pinned on CUDA) and reused forever,
 H2D block copies. The slot indices handed out here are its host block indices.
 
 Nothing here imports torch (the scheduler side runs without tensors).
+
+Memory is fixed by ``num_blocks``: about 60 bytes per slot, plus about 220 per ready slot (its
+32-byte hash, index and LRU entries); owner sets exist only for pinned slots.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class HostPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._state: list[SlotState] = ["free"] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
-        self._owners: list[set[str]] = [set() for _ in range(num_blocks)]
+        #: slot -> its owners, only for slots that have any (most slots never do at once).
+        self._owners: dict[int, set[str]] = {}
         self._index: dict[bytes, int] = {}
         self._owned: dict[str, set[int]] = {}
         # Ready slots without owners, oldest first: the reclaim order.
@@ -103,7 +107,7 @@ class HostPool:
 
     def owners(self, slot: int) -> frozenset[str]:
         with self._lock:
-            return frozenset(self._owners[self._check(slot)])
+            return frozenset(self._owners.get(self._check(slot), ()))
 
     def owned_by(self, owner: str) -> list[int]:
         with self._lock:
@@ -181,7 +185,7 @@ class HostPool:
                 raise ValueError(f"slot {slot} is {self._state[slot]}, only a filling slot can be committed")
             existing = self._index.get(block_hash)
             if existing is not None:
-                owners = set(self._owners[slot])
+                owners = set(self._owners.get(slot, ()))
                 self._release_slot(slot)
                 for owner in owners:
                     self._add_owner(existing, owner)
@@ -190,7 +194,7 @@ class HostPool:
             self._state[slot] = "ready"
             self._hash[slot] = block_hash
             self._index[block_hash] = slot
-            if not self._owners[slot]:
+            if slot not in self._owners:
                 self._lru[slot] = None
             self._counts["committed"] += 1
             return slot
@@ -263,7 +267,7 @@ class HostPool:
                 if self._state[slot] != "ready":
                     continue
                 dropped += 1
-                if self._owners[slot]:
+                if slot in self._owners:
                     self._drop_hash(slot)
                 else:
                     self._release_slot(slot)
@@ -294,15 +298,17 @@ class HostPool:
                 self._lru.move_to_end(slot)
 
     def _add_owner(self, slot: int, owner: str) -> None:
-        self._owners[slot].add(owner)
+        self._owners.setdefault(slot, set()).add(owner)
         self._owned.setdefault(owner, set()).add(slot)
         self._lru.pop(slot, None)
 
     def _remove_owner(self, slot: int, owner: str) -> None:
-        owners = self._owners[slot]
-        if owner not in owners:
+        owners = self._owners.get(slot)
+        if owners is None or owner not in owners:
             return
         owners.discard(owner)
+        if not owners:
+            del self._owners[slot]
         held = self._owned.get(owner)
         if held is not None:
             held.discard(slot)
@@ -318,7 +324,7 @@ class HostPool:
         self._hash[slot] = None
 
     def _release_slot(self, slot: int) -> None:
-        for owner in list(self._owners[slot]):
+        for owner in list(self._owners.get(slot, ())):
             self._remove_owner(slot, owner)
         self._lru.pop(slot, None)
         self._drop_hash(slot)

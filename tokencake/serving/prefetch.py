@@ -1,12 +1,17 @@
 """When to bring an offloaded session's blocks back to the device, and how well that went.
 
 Timing rule (``docs/policy.md``): for a stall that began at ``begin_at`` with forecast
-``predicted_s``, the upload is due at ``begin_at + max(predicted_s − lead_s, 0)`` with
-``lead_s = estimated H2D time + safety_margin_s``, so the blocks land on device just before the
-tool returns. A ``stall_end`` earlier than that makes it due at once. A stall that runs past its
-forecast is still prefetched at the due time (the blocks sit in the device prefix cache at the
-evictable end, never pinned); if no end arrives by ``clamp(4 × predicted, 60 s, 1 h)`` the stall
-expires and its host pins should be released.
+``predicted_s``, the upload is due at ``begin_at + max(r_q · predicted_s − lead_s, 0)`` with
+``lead_s = estimated H2D time + wait for the engine's next step + safety_margin_s``, so the blocks
+are on device (or being copied) before the tool returns. ``r_q`` is the ``return_quantile`` of the
+observed ratios actual / predicted duration — per (agent type, tool) once it has ``min_samples``
+stalls, else over all stalls, else ``prior_ratio``: a forecast is a median at best (hints are
+medians, tool times are heavy-tailed), and aiming at the median is late for half the stalls.
+``return_quantile=None`` aims at the forecast itself (``r_q = 1``). A ``stall_end`` earlier than
+the due time makes it due at once. Prefetched blocks sit in the device prefix cache at the
+evictable end, never pinned; if they are evicted while the tool still runs, the upload is due
+again (at most ``max_prefetches`` uploads per stall). If no end arrives by
+``clamp(4 × predicted, 60 s, 1 h)`` the stall expires and its host pins should be released.
 
 Every stall gets exactly one classification, at the session's next request or at expiry:
 ``on_time`` (blocks on device when the request came), ``late`` (prefetch in flight or not yet
@@ -23,12 +28,12 @@ import dataclasses
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokencake.serving.stats import Histogram
+from tokencake.serving.stats import Histogram, quantile
 
 __all__ = [
     "CLASSIFICATIONS",
@@ -74,6 +79,8 @@ class PlannedStall:
     evictions: int = 0
     classification: Classification | None = None
     cancel_reason: str | None = None
+    #: Agent type / tool: whose return-time ratios this stall learns from and aims with.
+    key: str | None = None
 
 
 class PrefetchPlanner:
@@ -90,9 +97,30 @@ class PrefetchPlanner:
         unused_after_s: float = 60.0,
         max_stalls: int = 4096,
         max_finished: int = 1024,
+        return_quantile: float | None = None,
+        prior_ratio: float = 1.0,
+        min_samples: int = 5,
+        ratio_window: int = 64,
+        max_keys: int = 1024,
+        max_prefetches: int = 2,
     ) -> None:
         if safety_margin_s < 0 or unused_after_s < 0 or max_stalls < 1 or max_finished < 1:
             raise ValueError("safety_margin_s/unused_after_s must be >= 0, max_stalls/max_finished >= 1")
+        if return_quantile is not None and not 0 <= return_quantile <= 1:
+            raise ValueError(f"return_quantile must be in [0, 1] or None, got {return_quantile}")
+        if not (math.isfinite(prior_ratio) and prior_ratio >= 0):
+            raise ValueError(f"prior_ratio must be a finite number >= 0, got {prior_ratio}")
+        if min_samples < 1 or ratio_window < 1 or max_keys < 1 or max_prefetches < 1:
+            raise ValueError("min_samples, ratio_window, max_keys and max_prefetches must be >= 1")
+        self.return_quantile = return_quantile
+        self.prior_ratio = prior_ratio
+        self.min_samples = min_samples
+        self.max_prefetches = max_prefetches
+        self._ratio_window = ratio_window
+        self._max_keys = max_keys
+        #: actual / predicted duration of ended stalls, overall and per key (bounded LRU of keys).
+        self._ratios: deque[float] = deque(maxlen=ratio_window)
+        self._key_ratios: OrderedDict[str, deque[float]] = OrderedDict()
         self._clock = clock
         self.safety_margin_s = safety_margin_s
         self.expiry_factor = expiry_factor
@@ -113,19 +141,34 @@ class PrefetchPlanner:
 
     # -------------------------------------------------------------- lifecycle
     def begin(
-        self, stall_id: str, session_id: str, predicted_s: float, h2d_s: float, *, now: float | None = None
+        self,
+        stall_id: str,
+        session_id: str,
+        predicted_s: float,
+        h2d_s: float,
+        *,
+        key: str | None = None,
+        wait_s: float = 0.0,
+        now: float | None = None,
     ) -> PlannedStall:
-        """Plan the upload for a stall whose blocks are (being) offloaded; returns a copy of the plan."""
+        """Plan the upload for a stall whose blocks are (being) offloaded; returns a copy of the plan.
+
+        ``key`` (agent type / tool) selects the learned return-time ratios; ``wait_s`` is how long
+        a copy decided now waits for the engine to act on it (the next step boundary).
+        """
         t = self._now(now)
         predicted = predicted_s if math.isfinite(predicted_s) and predicted_s > 0 else 0.0
-        lead = (h2d_s if math.isfinite(h2d_s) and h2d_s > 0 else 0.0) + self.safety_margin_s
+        lead = _finite(h2d_s) + _finite(wait_s) + self.safety_margin_s
+        with self._lock:
+            ratio = self._ratio_locked(key)
         plan = PlannedStall(
             stall_id=stall_id,
             session_id=session_id,
             begin_at=t,
             predicted_s=predicted,
             lead_s=lead,
-            due_at=t + max(predicted - lead, 0.0),
+            due_at=t + max(ratio * predicted - lead, 0.0),
+            key=key,
             expires_at=t
             + stall_expiry_s(
                 predicted, factor=self.expiry_factor, min_s=self.expiry_min_s, max_s=self.expiry_max_s
@@ -149,6 +192,7 @@ class PrefetchPlanner:
             if plan is None or plan.ended_at is not None:
                 return None
             plan.ended_at = t
+            self._learn_locked(plan, t)
             if plan.state == "evicted":
                 plan.state = "waiting"  # prefetched too early and lost: upload again now
                 plan.due_at = t
@@ -196,15 +240,25 @@ class PrefetchPlanner:
             plan.state = "on_device"
             self._count("completed")
 
-    def mark_evicted(self, stall_id: str) -> None:
-        """Prefetched blocks left the device again before the next request used them."""
+    def mark_evicted(self, stall_id: str, *, now: float | None = None, retry: bool = True) -> None:
+        """Prefetched blocks left the device again before the next request used them.
+
+        While the tool still runs, the upload is due again at once (up to ``max_prefetches``
+        uploads per stall: a cache that keeps evicting them is not chased forever); after that,
+        or once the tool has returned (``retry=False``: the caller ends it next), ``end`` makes it due.
+        """
+        t = self._now(now)
         with self._lock:
             plan = self._stalls.get(stall_id)
             if plan is None or plan.state != "on_device":
                 return
-            plan.state = "evicted"
             plan.evictions += 1
             self._count("evicted_before_use")
+            if retry and plan.ended_at is None and plan.prefetches < self.max_prefetches:
+                plan.state, plan.due_at = "waiting", t
+                self._count("reprefetch_while_running")
+            else:
+                plan.state = "evicted"
 
     def cancel(self, stall_id: str, reason: str) -> None:
         """Stop planning (offload failed, blocks still on device, prefetch failed); no classification."""
@@ -293,6 +347,9 @@ class PrefetchPlanner:
                 **dict(sorted(self._counts.items())),
                 "on_time_early_by_s": self._early_by.summary(),
                 "late_by_s": self._late_by.summary(),
+                "return_ratio": self._ratio_locked(None),
+                "return_ratios": _summary(self._ratios),
+                "return_ratio_samples": len(self._ratios),
             }
 
     # ---------------------------------------------------------------- helpers
@@ -311,3 +368,47 @@ class PrefetchPlanner:
 
     def _count(self, name: str) -> None:
         self._counts[name] = self._counts.get(name, 0) + 1
+
+    def _ratio_locked(self, key: str | None) -> float:
+        """``r_q``: the return-time ratio the upload aims at (see the module docstring)."""
+        if self.return_quantile is None:
+            return 1.0
+        for ratios in (self._key_ratios.get(key) if key is not None else None, self._ratios):
+            if ratios is not None and len(ratios) >= self.min_samples:
+                return quantile(sorted(ratios), self.return_quantile)
+        return self.prior_ratio
+
+    def return_ratio(self, key: str | None = None) -> float:
+        """The ratio a stall of ``key`` planned now would aim at (for stats and tests)."""
+        with self._lock:
+            return self._ratio_locked(key)
+
+    def _learn_locked(self, plan: PlannedStall, ended_at: float) -> None:
+        key = plan.key
+        if plan.predicted_s <= 0:
+            return
+        # Bounded: one runaway tool must not move the quantile to infinity.
+        ratio = min(max(ended_at - plan.begin_at, 0.0) / plan.predicted_s, 100.0)
+        self._ratios.append(ratio)
+        if key is None:
+            return
+        ratios = self._key_ratios.get(key)
+        if ratios is None:
+            ratios = self._key_ratios[key] = deque(maxlen=self._ratio_window)
+            while len(self._key_ratios) > self._max_keys:
+                self._key_ratios.popitem(last=False)
+        else:
+            self._key_ratios.move_to_end(key)
+        ratios.append(ratio)
+
+
+def _summary(values: deque[float]) -> dict[str, float | int]:
+    hist = Histogram(max(len(values), 1))
+    for v in values:
+        hist.add(v)
+    return hist.summary()
+
+
+def _finite(value: float) -> float:
+    """A non-negative finite number or 0 (a bad estimate must not move the due time to ±inf)."""
+    return value if math.isfinite(value) and value > 0 else 0.0

@@ -13,6 +13,12 @@ EngineCore is ever orphaned.
 
 Both modes pin ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: configuring a connector otherwise changes the
 CPU thread reservation, hence bf16 reduction order and greedy outputs (see vllm-notes.md).
+
+Secrets and exposure: the API key never appears in vLLM's argv (readable by every local user in
+``/proc``) or in vLLM's logged arguments: it travels in the vLLM child's environment only, as
+``VLLM_API_KEY`` for the OpenAI port and ``TOKENCAKE_EVENTS_API_KEY`` for the events listener.
+The events listener binds to loopback unless ``events_host`` says otherwise, whatever ``host``
+is, and a non-loopback ``events_host`` requires an API key.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +41,7 @@ from typing import Any
 import httpx
 
 from tokencake.events import EVENTS_PORT_OFFSET, HEALTH_PATH, STATS_PATH
+from tokencake.serving.event_api import EVENTS_API_KEY_ENV, is_loopback
 from tokencake.serving.model import (
     DEFAULT_MODEL_NAME,
     ModelError,
@@ -49,6 +57,9 @@ CONNECTOR_MODULE = "tokencake.serving.vllm.connector"
 #: (a fraction of the NUMA node's memory) refuses to start when other processes use memory.
 DEFAULT_CPU_KV_GIB = 1.0
 GIB = 1 << 30
+
+#: Where the events listener binds unless ``events_host`` is given (never follows ``host``).
+DEFAULT_EVENTS_HOST = "127.0.0.1"
 
 #: ``progress(elapsed_s, last_log_line)`` called about twice a second while starting.
 ProgressFn = Callable[[float, str], None]
@@ -79,8 +90,15 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def find_free_port(host: str = "127.0.0.1", *, with_events: bool = True, attempts: int = 100) -> int:
-    """A port that is free — and, with ``with_events``, whose events port (+offset) is free too."""
+def find_free_port(
+    host: str = "127.0.0.1",
+    *,
+    with_events: bool = True,
+    events_host: str | None = None,
+    attempts: int = 100,
+) -> int:
+    """A port that is free — and, with ``with_events``, whose events port (+offset) is free too
+    (on ``events_host``, default ``host``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(attempts):
         with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -88,7 +106,7 @@ def find_free_port(host: str = "127.0.0.1", *, with_events: bool = True, attempt
             port = int(sock.getsockname()[1])
         if port + EVENTS_PORT_OFFSET > 65535:
             continue
-        if not with_events or port_is_free(host, port + EVENTS_PORT_OFFSET):
+        if not with_events or port_is_free(events_host or host, port + EVENTS_PORT_OFFSET):
             return port
     raise ServerError(f"could not find a free port pair on {host}")
 
@@ -322,13 +340,96 @@ def _last_line(path: Path | None) -> str:
     return text.strip()
 
 
-def _interesting_error(tail: str) -> str:
-    """The most telling line of a failed start (vLLM prints a long traceback, the cause last)."""
-    for line in reversed(tail.splitlines()):
-        stripped = line.strip()
-        if "Error" in stripped and "Engine core initialization failed" not in stripped:
-            return stripped[-300:]
+#: vLLM's log prefix: ``(EngineCore pid=12) ERROR 12-01 10:00:00 [core.py:1510] `` (each part optional).
+_LEVEL = r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?"
+_LOG_PREFIX = re.compile(rf"^(?:\S*\((?:[\w\-.: ]+?) pid=\d+\)\s*)?(?:{_LEVEL})?")
+#: The last line of a traceback: ``ValueError: …`` / ``torch.OutOfMemoryError: …`` at column 0.
+_EXCEPTION_LINE = re.compile(
+    r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Failure|Interrupt))(?::\s*(?P<msg>.*))?$"
+)
+#: Wrappers that only point at the real cause printed before them.
+_WRAPPERS = (
+    "Engine core initialization failed",
+    "Frontend process failed during engine core initialization",
+    "See root cause above",
+)
+#: ERROR log lines that belong to a traceback's layout, not to its message.
+_NOT_A_CAUSE = ("Traceback", "EngineCore failed to start", "The above exception", "During handling")
+_MAX_CAUSE_CHARS = 400
+
+
+def _strip_log_prefix(line: str) -> str:
+    line = line.rstrip("\r\n")
+    match = _LOG_PREFIX.match(line)
+    return line[match.end() :] if match else line
+
+
+def startup_cause(log_text: str) -> str:
+    """The root cause of a failed vLLM start, from its log: one line, or "" when none is found.
+
+    vLLM prints the real error inside EngineCore's traceback and then the API server's wrapper
+    (``RuntimeError: Engine core initialization failed. See root cause above``); the frames in
+    between (``File …`` and source lines such as ``raise RuntimeError(``) are never the answer.
+    The last exception line that is not a wrapper wins; else the last ``ERROR`` log message.
+    """
+    cause = ""
+    error_message = ""
+    lines = [(" ERROR " in raw[:120], _strip_log_prefix(raw)) for raw in log_text.splitlines()]
+    for i, (is_error, line) in enumerate(lines):
+        if not line or line[0].isspace():  # traceback frames and source lines are indented
+            continue
+        match = _EXCEPTION_LINE.match(line)
+        if match is not None:
+            if match.group("type") in ("SystemExit", "KeyboardInterrupt"):
+                continue
+            if any(w in line for w in _WRAPPERS):
+                continue
+            cause = line
+            if "validation error" in line:  # pydantic: the reason is on the next, indented line
+                detail = next((d.strip() for _, d in lines[i + 1 : i + 4] if d.strip()), "")
+                cause += f": {detail.split(' [type=', 1)[0]}" if detail else ""
+        elif is_error and not line.startswith(_NOT_A_CAUSE) and not any(w in line for w in _WRAPPERS):
+            error_message = line
+    found = cause or error_message
+    return found[:_MAX_CAUSE_CHARS] + ("…" if len(found) > _MAX_CAUSE_CHARS else "")
+
+
+def startup_hint(cause: str) -> str:
+    """The ``tokencake serve`` fix for a known start-up failure, or ""."""
+    text = cause.lower()
+    if "max seq len" in text or "kv cache is needed" in text or "no available memory for the cache" in text:
+        estimate = re.search(r"estimated maximum model length is (\d+)", cause)
+        fits = f" (about {estimate.group(1)} fits)" if estimate else ""
+        return (
+            f"the KV cache cannot hold one request of --max-model-len: lower --max-model-len{fits} "
+            "or give more KV with --num-gpu-blocks / --kv-cache-gib"
+        )
+    if "address already in use" in text:
+        return "a port is taken: pick another --port (the events port is --port + 1, or --events-port)"
+    if "out of memory" in text or "available memory on node" in text:
+        return "not enough memory: lower --kv-cache-gib / --num-gpu-blocks or --host-pool-gib"
     return ""
+
+
+def _short_cause(cause: str, hint: str) -> str:
+    """vLLM's own advice names engine arguments; with our hint, keep only its diagnosis."""
+    if hint:
+        for marker in (" Try increasing", " Try decreasing", " See https://"):
+            cut = cause.find(marker)
+            if cut > 0:
+                cause = cause[:cut]
+    return cause.rstrip()
+
+
+def startup_error_message(rc: int, log_text: str, log_path: Path | None = None) -> str:
+    """``vLLM exited with code RC while starting: CAUSE — fix: HINT`` in one line."""
+    cause = startup_cause(log_text)
+    msg = f"vLLM exited with code {rc} while starting"
+    if not cause:
+        return msg + (f" (log: {log_path})" if log_path else "")
+    hint = startup_hint(cause)
+    msg += f": {_short_cause(cause, hint)}"
+    return msg + (f" — fix: {hint}" if hint else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +461,7 @@ class Server:
         eager: bool = True,
         extra_args: Sequence[str] = (),
         events_port: int | None = None,
+        events_host: str | None = None,
         log_file: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         served_model_name: str | None = None,
@@ -396,6 +498,8 @@ class Server:
         self.eager = eager
         self.extra_args = list(extra_args)
         self.events_port = events_port
+        #: The events listener's address: loopback unless asked (never follows ``host``).
+        self.events_host = events_host or DEFAULT_EVENTS_HOST
         self.log_path: Path | None = Path(log_file).expanduser() if log_file is not None else None
         self.env = dict(env or {})
         self.served_model_name = served_model_name
@@ -432,7 +536,7 @@ class Server:
         """The extension's events endpoint root; None for a baseline server."""
         if self.baseline:
             return None
-        return _url(self.host, self._events_port())
+        return _url(self.events_host, self._events_port())
 
     @property
     def model(self) -> str:
@@ -477,16 +581,17 @@ class Server:
         return not cpu_has_bf16()
 
     def connector_extra_config(self) -> dict[str, Any]:
-        """``kv_connector_extra_config`` for the TokenCake connector (keys: docs/architecture.md)."""
+        """``kv_connector_extra_config`` for the TokenCake connector (keys: docs/architecture.md).
+
+        No API key: it is visible in vLLM's argv and logged arguments; see :meth:`child_env`.
+        """
         extra: dict[str, Any] = {
-            "events_host": self.host,
+            "events_host": self.events_host,
             "events_port": self._events_port(),
             "offload": self.offload,
             "prefetch": self.prefetch,
             "demand_load": self.demand_load,
         }
-        if self.api_key:
-            extra["api_key"] = self.api_key
         if self.host_pool_blocks is not None:
             extra["host_pool_blocks"] = int(self.host_pool_blocks)
         if self.host_pool_gib is not None:
@@ -521,8 +626,7 @@ class Server:
             "--shutdown-timeout",
             str(self.shutdown_timeout),
         ]
-        if self.api_key:
-            args += ["--api-key", self.api_key]
+        # No --api-key: argv is world-readable; child_env passes VLLM_API_KEY instead.
         if self.max_model_len is not None:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.eager:
@@ -566,6 +670,7 @@ class Server:
         ]
 
     def child_env(self) -> dict[str, str]:
+        """The vLLM processes' environment; the only place the API key is handed over."""
         env = dict(os.environ)
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"  # same thread layout with and without connector
         env["PYTHONUNBUFFERED"] = "1"
@@ -573,6 +678,13 @@ class Server:
             # The legacy variable would silently override --kv-cache-memory-bytes.
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         env.update(self.env)
+        # Last, so that neither the caller's environment nor ``env`` can make vLLM require a key
+        # this object does not know (its own readiness probe would then fail with 401).
+        for name in ("VLLM_API_KEY", EVENTS_API_KEY_ENV):
+            if self.api_key:
+                env[name] = self.api_key
+            else:
+                env.pop(name, None)
         return env
 
     # -- preflight ------------------------------------------------------------------------------
@@ -595,11 +707,19 @@ class Server:
                 raise ServerError(f"port {self.port} is out of range")
             if not port_is_free(self.host, self.port):
                 raise ServerError(f"port {self.port} on {self.host} is already in use (pick another --port)")
-        if not self.baseline and self.port:
+        if not self.baseline and not self.api_key and not is_loopback(self.events_host):
+            raise ServerError(
+                f"--events-host {self.events_host} would let anyone who reaches it send stall events and "
+                "read every tenant's /v1/stats: set --api-key (or TOKENCAKE_API_KEY), or keep the "
+                "default loopback events host"
+            )
+        if not self.baseline and (self.port or self.events_port is not None):
             ep = self._events_port()
-            if not port_is_free(self.host, ep):
+            if not 0 < ep < 65536:
+                raise ServerError(f"events port {ep} is out of range (pick another --port or --events-port)")
+            if not port_is_free(self.events_host, ep):
                 raise ServerError(
-                    f"events port {ep} on {self.host} is already in use "
+                    f"events port {ep} on {self.events_host} is already in use "
                     "(pick another --port or --events-port)"
                 )
 
@@ -612,7 +732,11 @@ class Server:
         self.preflight()
         self.resolved = resolve_model(self._model_arg, log=self._say)
         if not self.port:
-            self.port = find_free_port(self.host, with_events=not self.baseline and self.events_port is None)
+            self.port = find_free_port(
+                self.host,
+                with_events=not self.baseline and self.events_port is None,
+                events_host=self.events_host,
+            )
         if self.log_path is None:
             logs = tokencake_home() / "logs"
             logs.mkdir(parents=True, exist_ok=True)
@@ -651,11 +775,9 @@ class Server:
             while True:
                 rc = self._proc.poll() if self._proc is not None else None
                 if rc is not None:
-                    tail = _tail(self.log_path, 30)
-                    cause = _interesting_error(tail)
-                    msg = f"vLLM exited with code {rc} while starting"
-                    msg += f": {cause}" if cause else f" (log: {self.log_path})"
-                    raise ServerError(msg, log_tail=tail)
+                    # The cause sits in EngineCore's traceback, often > 30 lines before the end.
+                    msg = startup_error_message(rc, _tail(self.log_path, 400), self.log_path)
+                    raise ServerError(msg, log_tail=_tail(self.log_path, 30))
                 if self._ready(client):
                     return
                 now = time.monotonic()
@@ -722,6 +844,7 @@ class Server:
             "port": self.port,
             "base_url": self.base_url,
             "events_url": self.events_url,
+            "events_host": None if self.baseline else self.events_host,
             "model": self.model,
             "baseline": self.baseline,
             "log_file": str(self.log_path) if self.log_path else None,
@@ -819,5 +942,8 @@ __all__ = [
     "gpu_only_flags",
     "parse_prometheus",
     "port_is_free",
+    "startup_cause",
+    "startup_error_message",
+    "startup_hint",
     "stop_process_group",
 ]

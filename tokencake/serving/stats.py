@@ -3,6 +3,11 @@
 The engine thread updates these while the events listener thread reads them, so every access
 goes through one lock. Histograms keep exact totals plus a bounded window of recent values for
 quantiles: enough for p50/p99 of transfer times or lateness without unbounded memory.
+
+Memory is bounded in bytes: at most ``max_names`` counters and as many gauges, and at most
+``max_histograms`` histograms of ``hist_window`` floats each (defaults: ~10 MB in all). Names are
+built from reason codes, so the set is small in practice; past the cap a new name is dropped
+and counted (``stats.dropped_names``) instead of growing forever.
 """
 
 from __future__ import annotations
@@ -74,34 +79,50 @@ class Stats:
     error statistics), so components keep owning their own numbers.
     """
 
-    def __init__(self, *, hist_window: int = 1024) -> None:
+    def __init__(self, *, hist_window: int = 1024, max_names: int = 4096, max_histograms: int = 256) -> None:
+        if max_names < 1 or max_histograms < 1:
+            raise ValueError("Stats bounds must be >= 1")
         self._lock = threading.Lock()
         self._hist_window = hist_window
+        self.max_names = max_names
+        self.max_histograms = max_histograms
         self._counters: dict[str, float] = {}
         self._gauges: dict[str, float] = {}
         self._hists: dict[str, Histogram] = {}
         self._sources: dict[str, Callable[[], Any]] = {}
+        self._dropped = 0
 
     def inc(self, name: str, n: float = 1) -> None:
         """Add ``n`` to counter ``name`` (created at 0)."""
         with self._lock:
-            self._counters[name] = self._counters.get(name, 0) + n
+            if name in self._counters or len(self._counters) < self.max_names:
+                self._counters[name] = self._counters.get(name, 0) + n
+            else:
+                self._dropped += 1
 
     def set(self, name: str, value: float) -> None:
         """Set gauge ``name`` to ``value`` (latest value wins)."""
         with self._lock:
-            self._gauges[name] = value
+            if name in self._gauges or len(self._gauges) < self.max_names:
+                self._gauges[name] = value
+            else:
+                self._dropped += 1
 
     def observe(self, name: str, value: float) -> None:
         """Add one sample to histogram ``name``; non-finite values are ignored."""
         with self._lock:
             hist = self._hists.get(name)
             if hist is None:
+                if len(self._hists) >= self.max_histograms:
+                    self._dropped += 1
+                    return
                 hist = self._hists[name] = Histogram(self._hist_window)
             hist.add(float(value))
 
     def counter(self, name: str) -> float:
         with self._lock:
+            if name == "stats.dropped_names":
+                return self._dropped
             return self._counters.get(name, 0)
 
     def gauge(self, name: str) -> float | None:
@@ -129,6 +150,7 @@ class Stats:
             self._counters.clear()
             self._gauges.clear()
             self._hists.clear()
+            self._dropped = 0
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able copy: ``{"counters", "gauges", "histograms", <registered sections>}``.
@@ -136,8 +158,11 @@ class Stats:
         A failing source is reported as ``{"error": "..."}`` instead of failing the whole snapshot.
         """
         with self._lock:
+            counters = dict(self._counters)
+            if self._dropped:
+                counters["stats.dropped_names"] = self._dropped
             out: dict[str, Any] = {
-                "counters": dict(sorted(self._counters.items())),
+                "counters": dict(sorted(counters.items())),
                 "gauges": dict(sorted(self._gauges.items())),
                 "histograms": {k: h.summary() for k, h in sorted(self._hists.items())},
             }

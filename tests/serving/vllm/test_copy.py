@@ -6,9 +6,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tokencake.serving.vllm import _copy  # noqa: E402
 from tokencake.serving.vllm._copy import (  # noqa: E402
+    LANES,
     BlockCopier,
+    CopySubmitError,
+    GeometryError,
+    HostMemoryError,
     StagedChunk,
+    block_geometry,
+    check_host_memory,
+    copy_parts,
     find_block_dim,
     gather_into_host,
     host_runs,
@@ -170,16 +178,18 @@ def test_scattered_round_trip_is_byte_exact(layout: str, staging: bool, slots: l
     _scattered_round_trip(layout, staging, SCATTERED, slots)
 
 
-def test_staged_copies_in_chunks_with_a_bounded_reused_buffer() -> None:
+def test_staged_copies_in_chunks_with_a_fixed_buffer_per_lane() -> None:
     layer_bytes = 2 * 16 * 8 * 2
     copier = _scattered_round_trip(
         "blocks_first", True, SCATTERED, list(range(10)), staging_bytes=3 * layer_bytes
     )
     assert copier.chunk_blocks == 3
     assert copier.staging_nbytes == 3 * layer_bytes  # bounded: 10 blocks went in 4 chunks
-    buf = copier._staging
+    bufs = {lane: st.staging for lane, st in copier._lanes.items()}
+    assert len({id(b) for b in bufs.values()}) == len(LANES)  # one buffer per lane: no sharing
     copier.copy("d2h", SCATTERED, list(range(10)))
-    assert copier._staging is buf  # steady state: no new allocation
+    copier.copy("h2d", SCATTERED, list(range(10)), lane="prefetch")
+    assert all(copier._lanes[lane].staging is buf for lane, buf in bufs.items())  # allocated once
 
 
 def test_staging_is_chosen_by_the_plan() -> None:
@@ -188,3 +198,227 @@ def test_staging_is_chosen_by_the_plan() -> None:
     assert not copier.copy("d2h", list(range(10)), list(range(10)))._extra["staged"]
     assert not copier.copy("d2h", SCATTERED, [7, 2, 30, 11, 19, 4, 25, 0, 16, 28])._extra["staged"]
     assert not BlockCopier(_caches("blocks_first"), 12, 4).staging  # CPU default: plain copies
+
+
+# ------------------------------------------------------------------ geometry and layouts
+
+
+def test_block_geometry_finds_blocks_and_kernel_blocks() -> None:
+    assert block_geometry((40, 3, 128, 128), 40) == (0, 1)
+    assert block_geometry((2, 40, 16, 8, 64), 40) == (1, 1)  # K/V-first
+    assert block_geometry((160, 3, 32, 128), 40) == (0, 4)  # 4 kernel blocks per scheduler block
+    # dim 0 wins over a later dim that happens to equal num_blocks
+    assert block_geometry((80, 40, 16, 8), 40) == (0, 2)
+    with pytest.raises(GeometryError, match="no dimension"):
+        block_geometry((30, 3, 16, 8), 40)
+    with pytest.raises(GeometryError):
+        block_geometry((40, 3), 0)
+
+
+def test_kernel_blocks_are_copied_per_scheduler_block() -> None:
+    """Kernel block size 8 under scheduler blocks of 16: block b is kernel rows 2b and 2b+1."""
+    gen = torch.Generator().manual_seed(1)
+    caches = {f"l{i}": torch.randn((24, 2, 8, 4), generator=gen) for i in range(2)}
+    copier = BlockCopier(caches, num_device_blocks=12, num_host_blocks=4)
+    assert copier.block_bytes == 2 * (2 * 2 * 8 * 4 * 4)
+    before = {k: v.clone() for k, v in caches.items()}
+    copier.copy("d2h", [5, 6], [0, 1])
+    copier.copy("h2d", [0, 11], [0, 1])
+    for name, t in caches.items():
+        assert torch.equal(t[0:2], before[name][10:12]) and torch.equal(t[22:24], before[name][12:14])
+        assert torch.equal(t[2:22], before[name][2:22])
+
+
+def test_kv_first_layout_copies_each_half_as_contiguous_runs() -> None:
+    """``[2, B, ...]``: a block is a K half and a V half; each half of a run is one byte range."""
+    caches = _caches("kv_first", num_blocks=40)
+    view = caches["layer.0"].movedim(1, 0)
+    perm, outer = copy_parts(view)
+    assert (perm[:2], outer) == ([0, 1], 1)  # the K/V dim is split off
+    copier = _scattered_round_trip("kv_first", True, SCATTERED, list(range(10)))
+    assert len(copier._parts) == 2 * 3 and all(p.dense for p in copier._parts)
+    assert copier.noncontiguous_copies == 0
+
+
+def test_host_pool_is_allocated_exactly() -> None:
+    """No power-of-two rounding: 5 slots of 3 layers take 3 x 5 blocks (plus alignment)."""
+    layer_bytes = 2 * 16 * 8 * 2
+    copier = BlockCopier(_caches("blocks_first"), num_device_blocks=12, num_host_blocks=5)
+    per_layer = -(-5 * layer_bytes // _copy.HOST_ALIGN) * _copy.HOST_ALIGN
+    assert copier.host_nbytes == 3 * per_layer
+    assert copier.host_nbytes < 2 ** (copier.host_nbytes - 1).bit_length()
+
+
+# ------------------------------------------------------------------ host memory checks
+
+
+def test_host_memory_check_refuses_a_pool_larger_than_free_ram(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_host_memory(8 << 30, None)  # unknown: allowed
+    check_host_memory(8 << 30, 10 << 30)
+    with pytest.raises(HostMemoryError) as err:
+        check_host_memory(40 << 30, 31 << 30)
+    msg = str(err.value)
+    assert "\n" not in msg and "--host-pool-gib" in msg and "40.0 GiB" in msg and "27.9" in msg
+    monkeypatch.setattr(_copy, "available_ram_bytes", lambda: 1000)
+    with pytest.raises(HostMemoryError):
+        BlockCopier(_caches("blocks_first"), num_device_blocks=12, num_host_blocks=5)
+    BlockCopier(_caches("blocks_first"), 12, 5, check_ram=False)  # tools may skip the check
+
+
+def test_available_ram_is_known_on_linux() -> None:
+    avail = _copy.available_ram_bytes()
+    assert avail is None or avail > 0
+
+
+def test_failed_pinning_falls_back_to_pageable_memory(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_copy, "pin_host_memory", lambda t: "cudaHostRegister returned error 2")
+    with caplog.at_level("WARNING", logger="vllm.tokencake.copy"):
+        copier = BlockCopier(_caches("blocks_first"), 12, 4, pin=True)
+    assert not copier.pinned
+    (rec,) = caplog.records
+    assert "could not pin" in rec.getMessage() and "RLIMIT_MEMLOCK" in rec.getMessage()
+    assert copier.copy("d2h", [1, 2], [0, 1]).done()  # still copies
+
+
+def test_pinned_pool_is_unpinned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    unpinned: list[int] = []
+    monkeypatch.setattr(_copy, "pin_host_memory", lambda t: None)
+    monkeypatch.setattr(_copy, "unpin_host_memory", lambda t: unpinned.append(t.data_ptr()))
+    copier = BlockCopier(_caches("blocks_first"), 12, 4, pin=True)
+    assert copier.pinned
+    copier.close()
+    copier.close()
+    assert unpinned == [copier._flat.data_ptr()]
+
+
+def test_pin_without_cuda_reports_why() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert _copy.pin_host_memory(torch.empty(16, dtype=torch.uint8))
+
+
+# ------------------------------------------------------------------ CUDA lanes (mocked streams)
+
+
+class _Log(list):  # type: ignore[type-arg]
+    pass
+
+
+class _FakeStream:
+    def __init__(self, name: str, priority: int, log: _Log) -> None:
+        self.name, self.priority, self.log = name, priority, log
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.log.append(("wait", self.name, other.name))
+
+
+class _FakeEvent:
+    def __init__(self, log: _Log) -> None:
+        self.log = log
+        self.stream: str | None = None
+
+    def record(self, stream: _FakeStream) -> None:
+        self.stream = stream.name
+        self.log.append(("record", stream.name))
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        return 2.0
+
+
+class _FakeCuda:
+    def __init__(self, log: _Log) -> None:
+        self.log = log
+        self.current = _FakeStream("compute", 0, log)
+        outer = self
+
+        class Stream(_FakeStream):
+            @staticmethod
+            def priority_range() -> tuple[int, int]:
+                return 0, -5  # (lowest, highest): lower numbers run first
+
+            def __init__(self, device: object = None, priority: int = 0) -> None:
+                super().__init__(f"p{priority}", priority, outer.log)
+
+        self.Stream = Stream
+
+    def Event(self, enable_timing: bool = False) -> _FakeEvent:
+        return _FakeEvent(self.log)
+
+    def current_stream(self, device: object = None) -> _FakeStream:
+        return self.current
+
+    def stream(self, s: _FakeStream):  # type: ignore[no-untyped-def]
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():  # type: ignore[no-untyped-def]
+            prev, self.current = self.current, s
+            try:
+                yield
+            finally:
+                self.current = prev
+
+        return ctx()
+
+
+class _FakeTorch:
+    def __init__(self, cuda: _FakeCuda) -> None:
+        self.cuda = cuda
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+
+def _fake_cuda_copier() -> tuple[BlockCopier, _Log]:
+    copier = BlockCopier(_caches("blocks_first", num_blocks=40), 40, 16, staging=True)
+    log = _Log()
+    copier._torch = _FakeTorch(_FakeCuda(log))  # type: ignore[assignment]
+    for lane, state in copier._lanes.items():
+        state.stream = _FakeStream(lane, -5 if lane == "load" else 0, log)
+    return copier, log
+
+
+def test_each_lane_has_its_own_stream_and_demand_loads_the_highest_priority() -> None:
+    copier = BlockCopier(_caches("blocks_first"), 12, 4, staging=True)
+    copier._torch = _FakeTorch(_FakeCuda(_Log()))  # type: ignore[assignment]
+    copier.is_cuda = True
+    lanes = {lane: copier._make_lane(lane) for lane in LANES}
+    assert lanes["load"].stream.priority == -5
+    assert lanes["offload"].stream.priority == lanes["prefetch"].stream.priority == 0
+    assert len({id(s.stream) for s in lanes.values()}) == 3
+    assert all(s.staging is not None and s.staging.numel() == copier.staging_nbytes for s in lanes.values())
+
+
+def test_copies_wait_for_compute_on_their_lane() -> None:
+    copier, log = _fake_cuda_copier()
+    h = copier.copy("h2d", [5, 6], [0, 1], lane="load")
+    assert log == [("wait", "load", "compute"), ("record", "load"), ("record", "load")]
+    assert h.lane == "load" and h.done() and h.seconds == 0.002
+    log.clear()
+    copier.copy("d2h", SCATTERED, list(range(10)))  # staged, default lane for D2H
+    assert log == [("wait", "offload", "compute"), ("record", "offload"), ("record", "offload")]
+    log.clear()
+    copier.copy("h2d", [7], [2], lane="prefetch")
+    assert log[0] == ("wait", "prefetch", "compute")
+    with pytest.raises(ValueError, match="lane"):
+        copier.copy("h2d", [7], [2], lane="sideways")  # type: ignore[arg-type]
+
+
+def test_partially_submitted_copy_still_records_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that fails half-way may have work queued: its handle says when that work is done."""
+    copier, log = _fake_cuda_copier()
+
+    def boom(*a: object, **k: object) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(copier, "_run", boom)
+    with pytest.raises(CopySubmitError) as err:
+        copier.copy("d2h", [1, 2], [0, 1])
+    assert "out of memory" in str(err.value)
+    assert err.value.handle._event_end is not None and err.value.handle._event_end.stream == "offload"
+    assert log[-1] == ("record", "offload")

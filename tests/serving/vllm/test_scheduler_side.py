@@ -341,15 +341,51 @@ def test_plan_failure_reports_invalid_blocks(pool: BlockPool, clock: Clock) -> N
     assert job.invalid and job.device_blocks == [5, 6]
 
 
-def test_unconfirmed_jobs_time_out_and_release(pool: BlockPool, clock: Clock) -> None:
+def test_unconfirmed_jobs_time_out_and_release_on_the_late_report(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch=False)
-    finish_turn(side, pool, chain("t", 2))
+    hashes = chain("t", 2)
+    finish_turn(side, pool, hashes)
     side.handle_event(begin())
-    side.build_meta()
+    meta = side.build_meta()
     assert side.has_pending_work()
     clock.t += 120
     side.build_meta()
-    assert side.stats.counter("jobs.timed_out") == 1 and not side._jobs
+    assert side.stats.counter("jobs.timed_out") == 1 and not side.has_pending_work()
+    assert any(b.ref_cnt for b in pool.blocks[1:])  # pinned until the workers answer
+    answer(side, meta)  # the late report: released, nothing committed
+    assert side.stats.counter("jobs.late_reports") == 1 and not side._jobs
+    assert all(side.host.lookup(h) is None for h in hashes)
+    assert_no_pins(pool)
+
+
+def test_workers_that_cannot_copy_turn_the_policy_off(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    side.on_worker_meta(TokenCakeWorkerMeta({}, disabled="kernel block size 8 != 16"))
+    assert side.copies_disabled and side.stats.snapshot()["gauges"]["worker.copies_disabled"] == 1
+    finish_turn(side, pool, chain("z", 2))
+    side.handle_event(begin())
+    assert side.build_meta().jobs == []  # nothing planned that would only fail
+
+
+def test_a_multi_worker_job_completes_once_every_worker_reported(pool: BlockPool, clock: Clock) -> None:
+    side = SchedulerSide(
+        block_size=BS,
+        block_bytes=1000,
+        num_host_blocks=8,
+        num_workers=2,
+        options=Options(usage_threshold=0.0, prefetch_reserve_frac=0.0),
+        clock=clock,
+    )
+    side.bind_pool(pool)
+    hashes = chain("w", 2)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin())
+    (job,) = side.build_meta().jobs
+    side.on_worker_meta(TokenCakeWorkerMeta({job.job_id: JobResult(False, 0.001, 0)}))  # rank 0 failed
+    assert side._jobs  # rank 1 may still be copying: nothing released yet
+    side.on_worker_meta(TokenCakeWorkerMeta({job.job_id: JobResult(True, 0.001, 0)}))
+    assert not side._jobs and side.stats.counter("offload.failed") == 1
+    assert all(side.host.lookup(h) is None for h in hashes)
     assert_no_pins(pool)
 
 
@@ -642,4 +678,68 @@ def test_a_slow_prefetch_is_not_waited_for_forever(pool: BlockPool, clock: Clock
     assert side.stats.counter("prefetch.duplicate_blocks") == 2
     assert side.stats.counter("demand_load.gave_up_waiting") == 1
     bp.release(pool, loaded)
+    assert_no_pins(pool)
+
+
+def test_prefetch_lead_covers_the_wait_for_the_next_step(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch_quantile=None, prefetch_margin_s=0.0)
+    # Busy steps of 1 s and one 3 s prefill; idle gaps (a step with no work) are not steps.
+    for gap, tokens in [(0.0, 8), (1.0, 8), (1.0, 8), (3.0, 2048), (1.0, 8), (30.0, 0), (5.0, 8)]:
+        clock.t += gap
+        side.observe_step(tokens)
+    # E[d^2] / 2E[d] over d = 1, 1, 3, 1: (1 + 1 + 9 + 1) / (2 * 6) = 1.0 s
+    assert side._step_wait_s() == pytest.approx(1.0)
+    hashes = chain("w", 2)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin(predicted=5.0))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    plan = side.planner.get("s1")
+    assert plan is not None and plan.lead_s == pytest.approx(1.0, abs=0.01)  # step wait + tiny h2d
+    clock.t += 3.9
+    assert side.build_meta().jobs == []
+    clock.t += 0.2  # past predicted − lead
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch"
+
+
+def test_prefetch_aims_before_a_median_forecast(pool: BlockPool, clock: Clock) -> None:
+    """Before any history a forecast may be 2× long (prior 0.5): the upload is due at half of it."""
+    side = make_side(pool, clock, prefetch_margin_s=0.0)
+    finish_turn(side, pool, chain("m", 2))
+    side.handle_event(begin(predicted=10.0))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    clock.t += 4.9
+    assert side.build_meta().jobs == []
+    clock.t += 0.2
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch"
+
+
+def test_prefetched_chain_evicted_while_the_tool_runs_comes_back(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch_quantile=None)
+    hashes = chain("e", 2)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin(predicted=2.0))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    clock.t += 2.0
+    meta = side.build_meta()
+    (job,) = meta.jobs
+    answer(side, meta)
+    assert bp.cached_block(pool, hashes[0]) is not None
+    evict_all(pool)  # the tool runs longer than predicted and others churn the cache
+    meta = side.build_meta()
+    (job2,) = meta.jobs  # due again while the tool still runs
+    assert job2.kind == "prefetch" and job2.job_id != job.job_id
+    answer(side, meta)
+    assert side.planner.stats()["reprefetch_while_running"] == 1
+    side.handle_event(end())
+    side.build_meta()
+    req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 2 * BS) == 0
+    side.update_state_after_alloc(req, [], 0)
+    assert side.stats.counter("readiness.prefetched") == 1
     assert_no_pins(pool)

@@ -11,17 +11,23 @@ no copies). ``get_kv_connector_stats`` / ``build_prom_metrics`` export the key c
 own ``/metrics`` as ``vllm:tokencake_*`` (see ``metrics.py``).
 
 ``kv_connector_extra_config`` keys: ``events_host`` (default 127.0.0.1), ``events_port`` (no
-listener when absent), ``api_key``, ``host_pool_blocks`` or ``host_pool_gib`` (default 1 GiB),
+listener when absent), ``host_pool_blocks`` or ``host_pool_gib`` (default 1 GiB),
 ``offload`` / ``prefetch`` / ``demand_load`` / ``early_save`` / ``demote`` (default true),
 ``wake_idle_engine`` (default true), and the numeric policy knobs of :func:`_options`.
+
+The events API key comes from the environment (``TOKENCAKE_EVENTS_API_KEY``, which ``Server``
+sets in the vLLM child only): the extra config is part of vLLM's argv and of its logged
+arguments. A legacy ``api_key`` key still works, with a warning.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tokencake.serving.event_api import EVENTS_API_KEY_ENV, EventServer
 from tokencake.serving.host_pool import blocks_for_gib
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm import metrics as tc_metrics
@@ -99,15 +106,51 @@ def _options(extra: dict[str, Any]) -> Options:
             continue
         try:
             value = kind(extra[name])
-            if value < 0:
-                raise ValueError("must be >= 0")
-        except (TypeError, ValueError) as exc:
+            if not math.isfinite(value) or value < 0:
+                raise ValueError("must be a finite number >= 0")
+        except (TypeError, ValueError, OverflowError) as exc:
             log.warning(
                 "TokenCake: ignoring %s=%r (%s); using %s", name, extra[name], exc, getattr(opts, name)
             )
             continue
         setattr(opts, name, value)
     return opts
+
+
+def events_api_key(extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> str | None:
+    """The events listener's bearer key: ``$TOKENCAKE_EVENTS_API_KEY``, else a legacy ``api_key``."""
+    key = environ.get(EVENTS_API_KEY_ENV)
+    if key:
+        return key
+    legacy = extra.get("api_key")
+    if legacy:
+        log.warning(
+            "TokenCake: api_key in kv_connector_extra_config is visible in the process list and "
+            "vLLM's logs; set %s in vLLM's environment instead",
+            EVENTS_API_KEY_ENV,
+        )
+        return str(legacy)
+    return None
+
+
+def events_address(extra: Mapping[str, Any]) -> tuple[str, int] | None:
+    """``(events_host, events_port)`` from the extra config; None without a port.
+
+    Raises ``ValueError`` with a one-line reason for a port that is not an int in 0..65535.
+    """
+    port = extra.get("events_port")
+    if port is None:
+        return None
+    host = str(extra.get("events_host") or "127.0.0.1")
+    if isinstance(port, bool) or (isinstance(port, float) and not port.is_integer()):
+        raise ValueError(f"events_port {port!r} is not a port number")
+    try:
+        number = int(port)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"events_port {port!r} is not a port number") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"events_port {number} is out of range 0..65535")
+    return host, number
 
 
 class TokenCakeConnector(KVConnectorBase_V1):
@@ -126,7 +169,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.disabled: str | None = None
-        self._events = None
+        self._events: EventServer | None = None
         self._waker: threading.Thread | None = None
         self._stop = threading.Event()
         self._prom_delta = tc_metrics.DeltaTracker()
@@ -140,66 +183,81 @@ class TokenCakeConnector(KVConnectorBase_V1):
             log.warning("TokenCake connector passes through (%s)", self.disabled)
             return
         if role == KVConnectorRole.SCHEDULER:
-            # A failed host load must mean "recompute", never "fail the request". vLLM's default is
-            # "fail"; vLLM's Scheduler reads the policy right after building this connector.
-            kvt = self._kv_transfer_config
-            if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
-                try:
-                    kvt.kv_load_failure_policy = "recompute"
-                    log.info("TokenCake: kv_load_failure_policy set to 'recompute'")
-                except Exception:
-                    log.warning("TokenCake: could not set kv_load_failure_policy=recompute; pass it")
-            opts = _options(extra)
-            self.sched = SchedulerSide(
-                block_size=block_size,
-                block_bytes=block_bytes,
-                num_host_blocks=num_host,
-                num_workers=vllm_config.parallel_config.world_size,
-                max_step_tokens=int(
-                    getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 2048
-                ),
-                device_is_cuda=torch.cuda.is_available(),
-                options=opts,
-            )
-            if _extra_bool(extra, "wake_idle_engine", True):
-                wake = bp.find_engine_wakeup()
-                self.sched.set_wake(wake)
-                self.sched.stats.set("engine.wake_available", 1 if wake else 0)
-                if wake is not None:
-                    self._waker = threading.Thread(
-                        target=self._wake_loop, name="tokencake-waker", daemon=True
-                    )
-                    self._waker.start()
-            self._start_events(extra)
-            log.info(
-                "TokenCake scheduler side: block %d tokens, %d bytes/block, host pool %d blocks (%.2f GiB)",
-                block_size,
-                block_bytes,
-                num_host,
-                num_host * block_bytes / 2**30,
-            )
+            try:
+                self._init_scheduler(vllm_config, extra, block_size, block_bytes, num_host)
+            except Exception as exc:  # a bad knob or an unexpected config must not stop the engine
+                self._stop.set()
+                if self._events is not None:
+                    self._events.close()
+                    self._events = None
+                self.sched = None
+                self.disabled = f"{type(exc).__name__}: {exc}"
+                log.exception("TokenCake connector passes through (%s)", self.disabled)
         else:
             self.worker = WorkerSide(num_device_blocks, num_host)
 
-    # ------------------------------------------------------------ helpers
-    def _start_events(self, extra: dict[str, Any]) -> None:
-        port = extra.get("events_port")
-        if port is None or self.sched is None:
-            return
-        from tokencake.serving.event_api import EventServer
+    def _init_scheduler(
+        self, vllm_config: VllmConfig, extra: dict[str, Any], block_size: int, block_bytes: int, num_host: int
+    ) -> None:
+        # A failed host load must mean "recompute", never "fail the request". vLLM's default is
+        # "fail"; vLLM's Scheduler reads the policy right after building this connector.
+        kvt = self._kv_transfer_config
+        if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
+            try:
+                kvt.kv_load_failure_policy = "recompute"
+                log.info("TokenCake: kv_load_failure_policy set to 'recompute'")
+            except Exception:
+                log.warning("TokenCake: could not set kv_load_failure_policy=recompute; pass it")
+        opts = _options(extra)
+        self.sched = SchedulerSide(
+            block_size=block_size,
+            block_bytes=block_bytes,
+            num_host_blocks=num_host,
+            num_workers=vllm_config.parallel_config.world_size,
+            max_step_tokens=int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 2048),
+            device_is_cuda=torch.cuda.is_available(),
+            options=opts,
+        )
+        if _extra_bool(extra, "wake_idle_engine", True):
+            wake = bp.find_engine_wakeup()
+            self.sched.set_wake(wake)
+            self.sched.stats.set("engine.wake_available", 1 if wake else 0)
+            if wake is not None:
+                self._waker = threading.Thread(target=self._wake_loop, name="tokencake-waker", daemon=True)
+                self._waker.start()
+        self._start_events(extra)
+        log.info(
+            "TokenCake scheduler side: block %d tokens, %d bytes/block, host pool %d blocks (%.2f GiB)",
+            block_size,
+            block_bytes,
+            num_host,
+            num_host * block_bytes / 2**30,
+        )
 
-        host = str(extra.get("events_host") or "127.0.0.1")
+    # ------------------------------------------------------------ helpers
+    def _start_events(self, extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> None:
+        """Start the events listener; any failure is logged and counted, never raised."""
+        if self.sched is None:
+            return
         try:
+            address = events_address(extra)
+            if address is None:
+                return
             self._events = EventServer(
-                host,
-                int(port),
+                *address,
                 self.sched.handle_event,
                 stats_fn=self.sched.stats_snapshot,
-                api_key=extra.get("api_key") or None,
+                api_key=events_api_key(extra, environ),
             ).start()
             log.info("TokenCake events listener on %s", self._events.url)
-        except (OSError, ValueError, TypeError) as exc:  # a busy or bad port must not take the engine down
-            log.error("TokenCake events listener could not bind %s:%s: %s", host, port, exc)
+        except Exception as exc:  # a busy or bad port must not take the engine down
+            log.error(
+                "TokenCake events listener not started (%s:%s): %s",
+                extra.get("events_host"),
+                extra.get("events_port"),
+                exc,
+            )
+            self._events = None
             self.sched.stats.set("events.listener_up", 0)
             return
         self.sched.stats.set("events.listener_up", 1)
@@ -311,7 +369,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
             return self.sched.build_meta()
         except Exception:
             self._count_error("build_connector_meta")
-            return TokenCakeMetadata(self.sched.flush())
+            return TokenCakeMetadata(self.sched.flush(), release_after_report=True)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.sched is None:
@@ -391,4 +449,4 @@ class TokenCakeConnector(KVConnectorBase_V1):
         return None
 
 
-__all__ = ["CopyJob", "TokenCakeConnector", "host_pool_blocks"]
+__all__ = ["CopyJob", "TokenCakeConnector", "events_address", "events_api_key", "host_pool_blocks"]

@@ -53,7 +53,7 @@ from tokencake.serving.forecast import DurationForecaster
 from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remaining_s
 from tokencake.serving.host_pool import HostPool, HostPoolExhausted
 from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
-from tokencake.serving.sessions import SessionTracker, StallTransition
+from tokencake.serving.sessions import ByteLRU, SessionTracker, StallTransition, hashes_nbytes
 from tokencake.serving.stats import Stats
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.metadata import CopyJob, JobKind, TokenCakeMetadata, TokenCakeWorkerMeta
@@ -80,8 +80,13 @@ class Options:
     early_save: bool = True
     #: Move an offloaded idle session's device blocks to the front of vLLM's eviction queue.
     demote: bool = True
-    #: Prefetch starts ``lead = estimated H2D time + prefetch_margin_s`` before the predicted end.
+    #: Prefetch starts ``lead = estimated H2D time + wait for the next step + prefetch_margin_s``
+    #: before the return it aims at: the ``prefetch_quantile`` of the learned actual/predicted
+    #: duration ratios × the forecast (``prefetch_prior_ratio`` × forecast before any history).
+    #: None aims at the forecast itself (see tokencake.serving.prefetch).
     prefetch_margin_s: float = 0.25
+    prefetch_quantile: float | None = 0.1
+    prefetch_prior_ratio: float = 0.5
     #: A prefetch never takes the device below this many free blocks, nor below what the
     #: requests waiting for admission need (whichever is larger).
     prefetch_reserve_blocks: int = 0
@@ -130,6 +135,11 @@ class _Job:
     device_owned: bool = False
     reports: int = 0
     released: bool = False
+    #: False once any worker reported the copy failed.
+    ok: bool = True
+    #: Timed out: nobody waits for it any more, but its pins stay until every worker reported
+    #: (a copy may still be writing into those device blocks / host slots).
+    abandoned: bool = False
 
     @property
     def owner(self) -> str:
@@ -251,6 +261,8 @@ class SchedulerSide:
             expiry_min_s=self.opts.expiry_min_s,
             expiry_max_s=self.opts.expiry_max_s,
             unused_after_s=self.opts.end_grace_s,
+            return_quantile=self.opts.prefetch_quantile,
+            prior_ratio=self.opts.prefetch_prior_ratio,
         )
         self.pool: BlockPool | None = None
         private = bp.check()
@@ -270,7 +282,10 @@ class SchedulerSide:
         self._stalls: dict[str, _Stall] = {}
         self._ended: dict[str, _Stall] = {}
         #: Last ended/expired stall per session (to account the session's next request).
-        self._last_stall: dict[str, _Stall] = {}
+        self._last_stall: ByteLRU[str, _Stall] = ByteLRU(max_items=4096, max_bytes=64 << 20)
+        self._next_sweep = 0.0
+        #: Why the workers cannot copy (reported by them), or None.
+        self.copies_disabled: str | None = None
         #: session id -> its active stall's id.
         self._session_stall: dict[str, str] = {}
         #: req_id -> what we know of requests carrying TokenCake metadata.
@@ -289,6 +304,9 @@ class SchedulerSide:
         self._prefetching: dict[str, int] = {}
         #: (time, tokens scheduled) of recent steps: the allocation rate behind the eviction risk.
         self._steps: deque[tuple[float, int]] = deque()
+        #: Seconds between consecutive busy steps (the engine acts on a copy only at a step boundary).
+        self._step_gaps: deque[float] = deque(maxlen=64)
+        self._last_step: tuple[float, int] | None = None
         self._last_risk: float | None = None
         self._usa_req: str | None = None
         self._usa_first = 0
@@ -336,7 +354,8 @@ class SchedulerSide:
     # -------------------------------------------------- engine thread
     def has_pending_work(self) -> bool:
         """True while copies are in flight, transitions wait, or a prefetch is due now."""
-        if self._jobs or self._outbox or self.sessions.stats()["pending_transitions"]:
+        live = any(not j.abandoned for j in self._jobs.values())
+        if live or self._outbox or self.sessions.stats()["pending_transitions"]:
             return True
         if not self.prefetch_enabled:
             return False
@@ -618,8 +637,9 @@ class SchedulerSide:
                 self.stats.inc("tokens.prefetched_hit", len(done.prefetched) * self.block_size)
             self._release_stall(sid)
         # The next turn has what it needs (loaded, hit or recomputed): unpin the host copies. They
-        # stay indexed (LRU-reclaimable) for later hits.
+        # stay indexed (LRU-reclaimable) for later hits. The record (and its hashes) is done.
         self._release_stall(stall.stall_id)
+        self._last_stall.pop(session_id)
 
     def _release_stall(self, stall_id: str) -> None:
         """Unpin a stall's host copies and forget it (a prefetch in flight keeps its own pins)."""
@@ -637,11 +657,13 @@ class SchedulerSide:
         jobs = self.flush()
         if jobs:
             self.stats.inc("steps.with_jobs")
-        return TokenCakeMetadata(jobs)
+        return TokenCakeMetadata(jobs, release_after_report=True)
 
     def flush(self) -> list[CopyJob]:
         """Hand over the planned copies (demand loads must reach the workers this very step)."""
         jobs, self._outbox = self._outbox, []
+        for job in jobs:
+            job.timeout_s = self.opts.job_timeout_s
         return jobs
 
     def fail_load(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -664,6 +686,9 @@ class SchedulerSide:
         return True
 
     def _step(self, now: float) -> None:
+        if now >= self._next_sweep:  # the tracker's safety net: old stalls, idle sessions
+            self._next_sweep = now + 1.0
+            self.sessions.sweep(now)
         self._drain(now)
         for stall in list(self._stalls.values()):
             try:
@@ -672,6 +697,7 @@ class SchedulerSide:
                 self.stats.inc("errors.tick")
                 log.exception("TokenCake: stall %s tick failed", stall.stall_id)
         if self.prefetch_enabled:
+            self._recheck_prefetched(now)
             for sid in self.planner.due(now):
                 stall = self._stall(sid)
                 if stall is None:
@@ -741,6 +767,8 @@ class SchedulerSide:
             if isinstance(ev, StallEnd):
                 self.forecaster.observe(stall.agent_type, stall.tool, ev.duration_s, stall.predicted_s)
                 self.stats.observe("forecast.error_s", stall.predicted_s - ev.duration_s)
+                # The stall as the server saw it minus as the client timed it: event delivery lag.
+                self.stats.observe("stalls.server_minus_client_s", (tr.at - stall.begin_at) - ev.duration_s)
             self._finish_stall(stall)
             # The tool is back: its idle device blocks are the next to be used, not evicted.
             self._promote(stall)
@@ -749,7 +777,7 @@ class SchedulerSide:
                 if plan.state == "on_device" and not self._chain_on_device(stall):
                     # A stall longer than predicted: what was prefetched (or still cached) at the
                     # due time was evicted since; the planner makes it due again at the end.
-                    self.planner.mark_evicted(stall.stall_id)
+                    self.planner.mark_evicted(stall.stall_id, now=tr.at, retry=False)
                 elif plan.state == "waiting" and plan.due_at > tr.at:
                     self.stats.inc("prefetch.triggered_by_end")  # an end earlier than predicted
                 self.planner.end(stall.stall_id, now=tr.at)
@@ -764,10 +792,7 @@ class SchedulerSide:
     def _finish_stall(self, stall: _Stall) -> None:
         self.stats.inc(f"stalls.final_decision.{stall.decision or 'undecided'}")
         self._ended[stall.stall_id] = stall
-        self._last_stall.pop(stall.session_id, None)
-        self._last_stall[stall.session_id] = stall
-        while len(self._last_stall) > 4096:
-            self._last_stall.pop(next(iter(self._last_stall)))
+        self._last_stall.put(stall.session_id, stall, hashes_nbytes(stall.hashes))
         if stall.decision is not None:
             self.sessions.set_decision(stall.stall_id, stall.decision)
 
@@ -809,7 +834,15 @@ class SchedulerSide:
                 self.host.pin(slot, stall.stall_id)
         stall.offloaded = True
         h2d = self.transfer.estimate("h2d", len(chain) * self.block_bytes)
-        self.planner.begin(stall.stall_id, stall.session_id, stall.predicted_s, h2d, now=stall.begin_at)
+        self.planner.begin(
+            stall.stall_id,
+            stall.session_id,
+            stall.predicted_s,
+            h2d,
+            key=f"{stall.agent_type}/{stall.tool}",
+            wait_s=self._step_wait_s(),
+            now=stall.begin_at,
+        )
         if not first:
             self.stats.inc("stalls.offload_after_retry")
         if not self._offload_pending(stall):
@@ -818,9 +851,29 @@ class SchedulerSide:
     def observe_step(self, num_scheduled_tokens: int, now: float | None = None) -> None:
         """Record one step's scheduled tokens (each needs KV: the rate at which blocks get allocated)."""
         t = self.clock() if now is None else now
-        self._steps.append((t, max(0, int(num_scheduled_tokens))))
+        n = max(0, int(num_scheduled_tokens))
+        self._steps.append((t, n))
         while self._steps and t - self._steps[0][0] > self.opts.churn_window_s:
             self._steps.popleft()
+        last = self._last_step
+        if last is not None and last[1] > 0 and n > 0:
+            # Both steps ran work: the gap is how long that step took (an idle engine's gaps
+            # would say nothing about how soon it acts on a copy).
+            self._step_gaps.append(min(max(t - last[0], 0.0), 60.0))
+        self._last_step = (t, n)
+
+    def _step_wait_s(self) -> float:
+        """Expected wait from a random moment to the engine's next step boundary, in seconds.
+
+        A prefetch decided between two steps ships with the next one, so the lead must cover
+        that wait. For a moment picked at random the wait is E[d²] / 2E[d] over step durations
+        d (long prefill steps weigh more than their count: one is more likely to be under way);
+        on a GPU that is milliseconds, on vLLM-CPU seconds.
+        """
+        total = sum(self._step_gaps)
+        if total <= 0:
+            return 0.0
+        return sum(d * d for d in self._step_gaps) / (2.0 * total)
 
     def _alloc_rate(self, now: float) -> float:
         """Blocks allocated per second over the recent window (0 when idle)."""
@@ -942,6 +995,15 @@ class SchedulerSide:
                 return False
         return True
 
+    def _recheck_prefetched(self, now: float) -> None:
+        """Prefetched chains of tools still running that were evicted since: upload again (bounded)."""
+        for plan in self.planner.open_stalls():
+            if plan.state != "on_device" or plan.ended_at is not None:
+                continue
+            stall = self._stalls.get(plan.stall_id)
+            if stall is not None and not self._chain_on_device(stall):
+                self.planner.mark_evicted(plan.stall_id, now=now)
+
     def _try_prefetch(self, stall: _Stall, now: float) -> None:
         """Bring the stall's missing chain blocks back into the device prefix cache (planner: due).
 
@@ -1040,17 +1102,24 @@ class SchedulerSide:
     def on_worker_meta(self, meta: TokenCakeWorkerMeta | None) -> None:
         if meta is None:
             return
+        if meta.disabled and self.copies_disabled is None:
+            self._disable_copies(meta.disabled)
         for job_id, res in meta.results.items():
             job = self._jobs.get(job_id)
             if job is None:
                 continue
             try:
+                # Act only once every worker reported: a rank whose copy failed must not free
+                # blocks another rank is still writing.
                 job.reports += res.workers
-                if not res.ok:
-                    job.reports = max(job.reports, self.num_workers)
-                    self._complete(job, ok=False, seconds=res.seconds, error=res.error)
-                elif job.reports >= self.num_workers:
-                    self._complete(job, ok=True, seconds=res.seconds, error=None)
+                job.ok = job.ok and res.ok
+                if job.reports < self.num_workers:
+                    continue
+                if job.abandoned:
+                    self.stats.inc("jobs.late_reports")
+                    self._complete(job, ok=False, seconds=res.seconds, error="reported after its timeout")
+                else:
+                    self._complete(job, ok=job.ok, seconds=res.seconds, error=res.error)
             except Exception:  # one bad completion must not strand the others of this batch
                 self.stats.inc("errors.complete")
                 log.exception("TokenCake: completing job %d failed", job_id)
@@ -1154,10 +1223,33 @@ class SchedulerSide:
             bp.release(self.pool, job.device_blocks)
 
     def _timeout_jobs(self, now: float) -> None:
+        """Stop waiting for copies the workers have not confirmed in ``job_timeout_s``.
+
+        Nothing waits for them any more (a request stops waiting for its prefetch; the plan is
+        cancelled), but their device blocks and host slots stay pinned until the workers report
+        them (the handshake: ``release_after_report``) — a copy still running must not write into
+        blocks that were handed to someone else. The late report then fails the job.
+        """
         for job in list(self._jobs.values()):
-            if now - job.issued_at >= self.opts.job_timeout_s:
-                self.stats.inc("jobs.timed_out")
-                self._complete(job, ok=False, seconds=0.0, error="no confirmation from the workers")
+            if job.abandoned or now - job.issued_at < self.opts.job_timeout_s:
+                continue
+            job.abandoned = True
+            self.stats.inc("jobs.timed_out")
+            age = now - job.issued_at
+            log.warning("TokenCake %s job %d unconfirmed after %.0f s", job.kind, job.job_id, age)
+            if job.kind == "prefetch":
+                if job.session_id is not None and self._prefetching.get(job.session_id) == job.job_id:
+                    del self._prefetching[job.session_id]
+                if job.stall_id is not None:
+                    self.planner.cancel(job.stall_id, "timeout")
+
+    def _disable_copies(self, reason: str) -> None:
+        """The workers cannot copy (host pool, KV layout): stop planning jobs that would all fail."""
+        self.copies_disabled = reason
+        self.opts.offload = self.opts.prefetch = self.opts.demand_load = self.opts.early_save = False
+        self.gate.enabled = False
+        self.stats.set("worker.copies_disabled", 1)
+        log.error("TokenCake: workers cannot copy KV (%s); offload, prefetch and demand load are off", reason)
 
     def _update_wake_at(self) -> None:
         due = []
@@ -1174,6 +1266,7 @@ class SchedulerSide:
             "device_blocks": pool.num_gpu_blocks if pool is not None else None,
             "device_free_blocks": bp.num_free(pool) if pool is not None else None,
             "jobs_in_flight": len(self._jobs),
+            "abandoned_in_flight": sum(j.abandoned for j in self._jobs.values()),
             "active_stalls": len(self._stalls),
             "demoted_stalls": len(self._demoted),
             "block_size": self.block_size,
@@ -1182,6 +1275,7 @@ class SchedulerSide:
             "demote_enabled": self.demote_enabled,
             "last_eviction_risk": None if self._last_risk is None else round(self._last_risk, 4),
             "alloc_blocks_per_s": round(self._alloc_rate(self.clock()), 3),
+            "step_wait_s": round(self._step_wait_s(), 4),
         }
 
     def _config_stats(self) -> dict[str, Any]:

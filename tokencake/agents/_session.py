@@ -1,0 +1,154 @@
+"""``Session`` and ``stall``: TokenCake for agents that do not run as a ``tc.App``.
+
+The server-side benefit needs two things from any agent, whatever framework drives it: every chat
+completion of one conversation carries the same session id (so the server can find its KV cache),
+and every tool call is bracketed by ``stall_begin`` / ``stall_end`` naming that session (so the
+server can move the idle KV out and back). A ``Session`` holds that identity; ``stall`` brackets a
+tool call; ``TokenCakeTransport`` (``_transport``) stamps the requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+from tokencake.events import GraphMeta, NextStall, StallBegin
+
+from ._llm import DEFAULT_BASE_URL, events_url_for
+from ._metadata import STANDALONE_GRAPH, request_metadata
+from ._stall import HttpStallReporter, StallHook, StallHooks, StallScope
+
+_REPORTERS: dict[tuple[str, str | None], HttpStallReporter] = {}
+_REPORTERS_LOCK = threading.Lock()
+
+
+def _shared_reporter(events_url: str, api_key: str | None) -> HttpStallReporter:
+    # One reporter (and connection pool, and "no extension" warning) per events URL, however many
+    # sessions a process opens.
+    with _REPORTERS_LOCK:
+        key = (events_url, api_key)
+        if key not in _REPORTERS:
+            _REPORTERS[key] = HttpStallReporter(events_url, api_key=api_key)
+        return _REPORTERS[key]
+
+
+class Session:
+    """One agent conversation as a TokenCake server sees it.
+
+    ``session_id`` (default: a fresh random id) must stay the same for the whole conversation.
+    ``run_id`` groups sessions (default: the session id), ``node`` / ``agent_type`` name the agent,
+    ``importance`` and ``graph`` set its priority (default: critical, priority 0) and ``next_stall``
+    the tool its replies are expected to call. Stall events go to ``events_url`` (default: as for
+    :class:`LLM`: ``TOKENCAKE_EVENTS_URL``, else port + 1 of a loopback ``base_url`` /
+    ``TOKENCAKE_BASE_URL``; ``False`` disables them) and to any extra ``hooks``.
+    """
+
+    def __init__(
+        self,
+        session_id: str | None = None,
+        *,
+        run_id: str | None = None,
+        node: str = "agent",
+        agent_type: str | None = None,
+        importance: float = 1.0,
+        graph: GraphMeta | None = None,
+        next_stall: NextStall | str | None = None,
+        events_url: str | bool | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        hooks: StallHook | Sequence[StallHook] | None = None,
+    ) -> None:
+        self.session_id = session_id or f"session-{uuid.uuid4().hex[:12]}"
+        if not isinstance(self.session_id, str) or not 0 < len(self.session_id) <= 400:
+            raise ValueError("session_id must be a string of 1..400 characters")
+        self.run_id = run_id or self.session_id[:200]
+        self.node = node
+        self.agent_type = agent_type or node
+        self.importance = importance
+        self.graph = graph if graph is not None else STANDALONE_GRAPH
+        self.next_stall = NextStall(tool=next_stall) if isinstance(next_stall, str) else next_stall
+        #: Requests sent so far in this conversation (the ``turn`` of the next one).
+        self.turn = 0
+        base = base_url or os.environ.get("TOKENCAKE_BASE_URL") or DEFAULT_BASE_URL
+        self.events_url = events_url_for(base.rstrip("/"), events_url)
+        api_key = api_key or os.environ.get("TOKENCAKE_API_KEY") or None
+        extra = [] if hooks is None else [hooks] if not isinstance(hooks, Sequence) else list(hooks)
+        for hook in extra:
+            if not (callable(getattr(hook, "begin", None)) and callable(getattr(hook, "end", None))):
+                raise TypeError(f"stall hook {hook!r} needs async begin(ev) and end(ev) methods")
+        self.reporter = _shared_reporter(self.events_url, api_key) if self.events_url else None
+        self.hooks = StallHooks([*extra, *([self.reporter] if self.reporter else [])])
+        self._stalls = itertools.count(1)
+        self._token = uuid.uuid4().hex[:8]
+        self._lock = threading.Lock()
+
+    def request_metadata(self, *, advance: bool = True) -> dict[str, object]:
+        """The body fields for this conversation's next request (``extra_body=``); counts the turn."""
+        with self._lock:
+            turn = self.turn
+            if advance:
+                self.turn += 1
+        return request_metadata(
+            self.session_id,
+            run_id=self.run_id,
+            node=self.node,
+            agent_type=self.agent_type,
+            turn=turn,
+            importance=self.importance,
+            graph=self.graph,
+            next_stall=self.next_stall,
+        )
+
+    def stall(
+        self,
+        tool: str,
+        *,
+        kind: str = "tool",
+        predicted_s: float | None = None,
+        stages: dict[str, float] | None = None,
+        attempt: int = 1,
+    ) -> StallScope:
+        """``async with session.stall("web_search", predicted_s=2.0): ...`` (see :func:`stall`)."""
+        begin = StallBegin(
+            stall_id=f"{self.run_id[:150]}:{self._token}:{next(self._stalls)}",
+            session_id=self.session_id,
+            run_id=self.run_id,
+            node=self.node,
+            agent_type=self.agent_type,
+            tool=tool,
+            kind=kind,
+            predicted_s=predicted_s,
+            stages=stages,
+            attempt=attempt,
+            ts=time.time(),
+        )
+        return StallScope(begin, self.hooks.begin, self.hooks.end)
+
+    def __repr__(self) -> str:
+        return f"Session({self.session_id!r}, events_url={self.events_url!r})"
+
+
+def stall(
+    session: Session,
+    tool: str,
+    *,
+    kind: str = "tool",
+    predicted_s: float | None = None,
+    stages: dict[str, float] | None = None,
+    attempt: int = 1,
+) -> StallScope:
+    """Bracket one tool call of ``session`` with ``stall_begin`` / ``stall_end``.
+
+    ``async with tc.stall(session, "web_search", kind="search", predicted_s=2.0): ...`` sends the
+    begin event, runs the block, and sends the end event whatever happens: also when the block
+    raises or is cancelled (the end is sent in a shielded scope). ``predicted_s`` (or ``stages``)
+    is what lets the server decide whether moving the KV out pays. Delivery failures never reach
+    the block; its exceptions propagate unchanged.
+    """
+    if not isinstance(session, Session):
+        raise TypeError(f"stall() needs a tc.Session, got {type(session).__name__} (tc.Session({session!r}))")
+    return session.stall(tool, kind=kind, predicted_s=predicted_s, stages=stages, attempt=attempt)
