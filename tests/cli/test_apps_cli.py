@@ -268,3 +268,33 @@ def test_graph_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert code == 0 and "wrote" in out
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_kv_summary_says_what_the_extension_did() -> None:
+    from tokencake.cli._apps import kv_summary
+
+    counters = {
+        "events.stall_begin": 10,
+        "stalls.decision.offload": 3,
+        "stalls.decision.already_on_host": 2,
+        "stalls.decision.no_pressure": 5,
+        "next_turn.requests": 8,
+        "next_turn.prefix_tokens": 4096,
+        "next_turn.prefix_tokens_device": 2048,
+        "next_turn.prefix_tokens_host": 1536,
+        "next_turn.prefix_tokens_recomputed": 512,
+        "offload.bytes": 12_000_000,
+        "offload.blocks": 12,
+        "prefetch.bytes": 8_000_000,
+        "prefetch.on_time": 2,
+        "prefetch.late": 1,
+        "demand_load.blocks": 4,
+        "tokens.from_host": 1536,
+    }
+    text = "\n".join(kv_summary(counters))
+    assert "tool calls (stalls): 10" in text and "offload 3" in text and "already on host 2" in text
+    assert "4,096 tokens = device 2,048 + host 1,536 + recomputed 512" in text
+    assert "offload 12.0 MB" in text and "on time 2, late 1" in text and "no KV pressure" not in text
+    quiet = kv_summary({"events.stall_begin": 3, "stalls.decision.no_pressure": 3})
+    assert any("no KV pressure" in line for line in quiet)
+    assert "no tool calls" in kv_summary({})[0]

@@ -59,5 +59,5 @@ def test_run_with_embedded_server_prints_answer_and_stops_server() -> None:
     assert doc["tool_calls"] > 0 and doc["stall_pairs"] == doc["tool_calls"]
     assert doc["usage"]["completion"] > 0
     # The embedded server received the SDK's stall events (stderr summary of the extension's counters).
-    assert f"events.stall_begin={doc['tool_calls']}" in proc.stderr
+    assert f"tool calls (stalls): {doc['tool_calls']}" in proc.stderr
     assert _vllm_children() <= before, "the embedded vLLM server outlived the run"

@@ -552,3 +552,21 @@ def test_owner_killed_by_sigkill_leaves_nothing(
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_tool_calling_flags_for_the_bundled_model_and_others(cpu: None) -> None:
+    """``tools=`` with tool_choice auto needs vLLM's parser flags (else HTTP 400 for every agent SDK)."""
+    bundled = Server(port=1)
+    bundled.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
+    args = bundled.vllm_args()
+    assert "--enable-auto-tool-choice" in args and _flag(args, "--tool-call-parser") == "hermes"
+    assert _flag(args, "--chat-template").endswith("smollm2_tools.jinja")
+    for baseline in (False, True):  # stock and extension servers speak the same API
+        assert (
+            "--tool-call-parser"
+            in _resolved(Server(port=1, baseline=baseline, tool_call_parser="pythonic")).vllm_args()
+        )
+    assert "--enable-auto-tool-choice" not in _resolved(Server(port=1)).vllm_args()  # unknown family
+    off = Server(port=1, tool_call_parser="none")
+    off.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
+    assert "--enable-auto-tool-choice" not in off.vllm_args()

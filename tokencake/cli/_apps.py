@@ -435,19 +435,51 @@ def _embedded_server(args: argparse.Namespace, stack: contextlib.ExitStack) -> A
 
 
 def _print_server_stats(server: Any) -> None:
-    """What the extension did during the run (stderr: stdout may be --json)."""
+    """What the extension did with KV during the run (stderr: stdout may be --json)."""
     try:
         counters = server.stats().get("counters", {})
     except Exception as exc:  # the run's result matters more than its statistics
         print(f"(server statistics unavailable: {exc})", file=sys.stderr)
         return
-    keys = sorted(
-        k
-        for k in counters
-        if k.startswith(("events.", "offload.", "prefetch.", "demand_load.", "next_turn.", "tokens."))
+    for line in kv_summary(counters):
+        print(line, file=sys.stderr)
+
+
+def kv_summary(counters: dict[str, float]) -> list[str]:
+    """The extension's counters as a few lines a user can read: stalls, resumed turns, copies."""
+
+    def n(key: str) -> int:
+        return int(counters.get(key, 0) or 0)
+
+    def mb(key: str) -> str:
+        return f"{n(key) / 1e6:,.1f} MB"
+
+    stalls = n("events.stall_begin")
+    if not stalls:
+        return ["extension: no tool calls reported (no stall events), so no KV was moved"]
+    decisions = {
+        k.removeprefix("stalls.decision."): n(k) for k in sorted(counters) if k.startswith("stalls.decision.")
+    }
+    kept = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in decisions.items() if v) or "none decided"
+    prefix = n("next_turn.prefix_tokens")
+    lines = [
+        "extension (KV around tool calls):",
+        f"  tool calls (stalls): {stalls} · decisions: {kept}",
+    ]
+    if prefix:
+        lines.append(
+            f"  resumed turns: {n('next_turn.requests')} · their repeated prefix {prefix:,} tokens = "
+            f"device {n('next_turn.prefix_tokens_device'):,} + host {n('next_turn.prefix_tokens_host'):,} "
+            f"+ recomputed {n('next_turn.prefix_tokens_recomputed'):,}"
+        )
+    lines.append(
+        f"  copies: offload {mb('offload.bytes')} · prefetch {mb('prefetch.bytes')} "
+        f"(on time {n('prefetch.on_time')}, late {n('prefetch.late')}) · "
+        f"demand load {n('demand_load.blocks')} blocks · tokens served from host {n('tokens.from_host'):,}"
     )
-    summary = ", ".join(f"{k}={counters[k]}" for k in keys) or "no stall activity"
-    print(f"extension: {summary}", file=sys.stderr)
+    if not (n("offload.blocks") or n("prefetch.blocks") or n("demand_load.blocks")):
+        lines.append("  (no KV pressure: the device cache held every session, nothing needed moving)")
+    return lines
 
 
 def _run_and_report(args: argparse.Namespace, app: Any, inputs: dict[str, str], llm: Any) -> int:

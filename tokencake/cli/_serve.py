@@ -59,6 +59,13 @@ def register(subparsers: Any) -> None:
     mode.add_argument("--eager", dest="eager", action="store_true", default=True, help="no compile (default)")
     mode.add_argument("--compile", dest="eager", action="store_false", help="torch.compile (slow start)")
     p.add_argument("--scheduler-cls", help="vLLM --scheduler-cls to load with the extension")
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        help="vLLM tool-call parser for tools= requests: auto (by model family; hermes for the bundled "
+        "model), none, or a vLLM parser name",
+    )
+    p.add_argument("--chat-template", help="chat template file (default: the model's own)")
     p.add_argument("--no-offload", action="store_true", help="extension: never offload KV to host")
     p.add_argument("--no-prefetch", action="store_true", help="extension: no predictive prefetch")
     p.add_argument("--no-demand-load", action="store_true", help="extension: no load on a host hit")
@@ -155,6 +162,8 @@ def build_server(args: argparse.Namespace) -> Any:
         prefetch=not args.no_prefetch,
         demand_load=not args.no_demand_load,
         startup_timeout=args.startup_timeout,
+        tool_call_parser=args.tool_call_parser,
+        chat_template=args.chat_template,
         progress=True,
         watch_parent=not args.detach,
     )

@@ -49,6 +49,7 @@ from tokencake.serving.model import (
     resolve_model,
     tokencake_home,
 )
+from tokencake.serving.tool_calling import tool_calling_args
 
 #: Where vLLM loads our connector from (written by the connector work stream).
 CONNECTOR_CLASS = "TokenCakeConnector"
@@ -476,6 +477,8 @@ class Server:
         progress: bool | ProgressFn = False,
         watch_parent: bool = True,
         python: str | None = None,
+        tool_call_parser: str | None = "auto",
+        chat_template: str | None = None,
     ) -> None:
         if host_pool_blocks is not None and host_pool_gib is not None:
             raise ValueError("give host_pool_blocks or host_pool_gib, not both")
@@ -513,6 +516,9 @@ class Server:
         self.progress = progress
         self.watch_parent = watch_parent
         self.python = python or sys.executable
+        #: vLLM tool-call parser ("auto": by model, see tokencake.serving.tool_calling; "none": off).
+        self.tool_call_parser = tool_call_parser
+        self.chat_template = chat_template
         self.resolved: ResolvedModel | None = None
         self.startup_s: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -642,6 +648,13 @@ class Server:
             kv_gib = DEFAULT_CPU_KV_GIB * (2 if float32 else 1)  # float32 blocks are twice as large
         if kv_gib is not None:
             args += ["--kv-cache-memory-bytes", str(int(kv_gib * GIB))]
+        args += tool_calling_args(
+            bundled=self.resolved.is_default,
+            model_dir=self.resolved.source,
+            parser=self.tool_call_parser,
+            chat_template=self.chat_template,
+            extra_args=self.extra_args,
+        )
         if not self.baseline:
             args += ["--scheduling-policy", "priority"]
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(), separators=(",", ":"))]

@@ -1,0 +1,76 @@
+"""Which tool-call parser and chat template ``tokencake serve`` gives vLLM, so ``tools=`` works.
+
+OpenAI-compatible agent frameworks (OpenAI Agents SDK, LangGraph, Pydantic AI) send ``tools`` with
+``tool_choice="auto"``; vLLM answers 400 unless it runs with ``--enable-auto-tool-choice`` and a
+``--tool-call-parser`` that matches what the model writes. The rule:
+
+* the bundled SmolLM2: its own chat template renders neither ``tools`` nor an assistant's
+  ``tool_calls`` (it concatenates ``content``, which is null there), so the server uses
+  ``templates/smollm2_tools.jinja`` — the same ChatML, plus tools in the Hermes format — and vLLM's
+  ``hermes`` parser. Conversations without tools render exactly as before;
+* another model: the parser of its family from ``config.json`` (below), with the model's own
+  template; a family not listed gets none (say ``--tool-call-parser NAME``);
+* ``tool_call_parser="none"`` turns tool calling off; explicit vLLM flags in ``extra_args`` win.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["BUNDLED_PARSER", "bundled_template_path", "parser_for_model", "tool_calling_args"]
+
+#: The parser whose format ``templates/smollm2_tools.jinja`` teaches.
+BUNDLED_PARSER = "hermes"
+
+#: ``model_type`` of a model's config.json → the vLLM parser its chat template's format matches.
+_FAMILY_PARSERS: dict[str, str] = {
+    "qwen2": "hermes",
+    "qwen2_moe": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "llama": "llama3_json",
+    "mistral": "mistral",
+    "granite": "granite",
+    "internlm2": "internlm",
+    "phi3": "phi4_mini_json",
+}
+
+_OWN_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--chat-template")
+
+
+def bundled_template_path() -> str:
+    """Path of the chat template shipped for the bundled model (inside the installed package)."""
+    return str(resources.files("tokencake.serving") / "templates" / "smollm2_tools.jinja")
+
+
+def parser_for_model(model_dir: str | Path) -> str | None:
+    """The parser for a model directory's family, or None (unknown family, no readable config)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return _FAMILY_PARSERS.get(str(config.get("model_type", "")).lower())
+
+
+def tool_calling_args(
+    *,
+    bundled: bool,
+    model_dir: str | Path,
+    parser: str | None = "auto",
+    chat_template: str | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+) -> list[str]:
+    """vLLM flags for tool calling (see the module docstring); [] when off or already given."""
+    if any(a == flag or a.startswith(flag + "=") for a in extra_args for flag in _OWN_FLAGS):
+        return []  # the user drives vLLM's tool flags directly
+    if parser is None or parser == "none":
+        return [] if chat_template is None else ["--chat-template", chat_template]
+    if parser == "auto":
+        parser = BUNDLED_PARSER if bundled else parser_for_model(model_dir)
+    template = chat_template if chat_template is not None else (bundled_template_path() if bundled else None)
+    args = [] if parser is None else ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+    if template is not None:
+        args += ["--chat-template", template]
+    return args
