@@ -324,3 +324,16 @@ def test_aggregate_gives_every_headline_per_round_with_a_t_interval(make_round):
     assert agg["ready_rate"]["ci95"] == pytest.approx([0.5, 0.5])
     assert "prefetch_on_time_rate" not in agg  # measured in no round
     assert agg["baseline/ideal"]["n"] == 3
+
+
+def test_results_record_the_commit_its_dirtiness_and_the_load(tmp_path, monkeypatch):
+    from tokencake.bench import runner
+
+    v = runner.versions()
+    assert v["git_commit"] is None or len(v["git_commit"]) == 40
+    assert v["git_dirty"] in (True, False, None)
+    load = runner._loadavg()
+    assert load is None or len(load) == 3
+    # Outside a git checkout: None, not a crash.
+    monkeypatch.setattr(runner, "_git", lambda *a: None)
+    assert runner._git_dirty() is None and runner._git_commit() is None

@@ -422,21 +422,38 @@ def versions() -> dict[str, str | None]:
         "openai": _version("openai"),
         "httpx": _version("httpx"),
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
     }
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
+            ["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _git_dirty() -> bool | None:
+    """Whether the package's tracked files differ from the commit (the numbers are not that commit's)."""
+    package = str(Path(__file__).resolve().parents[1])
+    out = _git("status", "--porcelain", "--untracked-files=no", "--", package)
+    return None if out is None else bool(out.strip())
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load average: a busy machine makes every ratio noisier."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _git_commit() -> str | None:
+    out = _git("rev-parse", "HEAD")
+    return (out.strip() or None) if out is not None else None
 
 
 def machine() -> dict[str, Any]:
@@ -502,6 +519,8 @@ def run_bench(
         from tokencake.serving import Server as server_cls
     progress = progress or Progress()
     started_at, t_start = _now(), time.time()
+    # The code that runs is the code at the start (a commit made meanwhile must not be recorded).
+    versions_at_start, load_at_start = versions(), _loadavg()
     points_out: list[dict[str, Any]] = []
     warnings: list[str] = []
     failed_systems: list[str] = []
@@ -602,8 +621,8 @@ def run_bench(
         "warnings": warnings,
         "failed_systems": failed_systems,
         "config": config.to_dict(),
-        "versions": versions(),
-        "machine": machine(),
+        "versions": versions_at_start,
+        "machine": {**machine(), "loadavg_start": load_at_start, "loadavg_end": _loadavg()},
         "system_orders": orders,
         "points": points_out,
         "aggregate": aggregate(points_out) if config.repeat > 1 else None,
