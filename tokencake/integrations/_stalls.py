@@ -1,0 +1,68 @@
+"""How the adapters bracket one tool call: per-tool hints, and a blocking form for sync tools.
+
+``predicted_s`` is what lets the server decide whether moving a waiting agent's KV out pays, and
+tools differ by orders of magnitude, so adapters take it (and ``kind``) per tool name. Some
+frameworks also run tools synchronously (LangGraph's ``graph.invoke``); ``blocking`` drives the
+same ``tc.StallScope`` from such a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+
+import tokencake as tc
+
+#: Seconds a tool is expected to take: one number for every tool, or per tool name.
+PredictedS = float | Mapping[str, float] | None
+#: The stall kind (``search``, ``code``, ...): one for every tool, or per tool name.
+Kind = str | Mapping[str, str]
+
+
+def tool_stall(session: tc.Session, tool: str, *, predicted_s: PredictedS, kind: Kind) -> tc.StallScope:
+    """``tc.stall`` for one call of ``tool``, with that tool's hints."""
+    predicted = predicted_s.get(tool) if isinstance(predicted_s, Mapping) else predicted_s
+    tool_kind = kind.get(tool, "tool") if isinstance(kind, Mapping) else kind
+    return tc.stall(session, tool[:200] or "tool", kind=tool_kind, predicted_s=predicted)
+
+
+@contextmanager
+def blocking(scope: tc.StallScope) -> Iterator[tc.StallScope]:
+    """Run ``scope`` around a synchronous block: begin before it, end after it, whatever happens.
+
+    The events are sent from a short-lived event loop in this thread (or in a helper thread when
+    this one already runs a loop), so the block itself stays synchronous.
+    """
+    _run(scope.__aenter__)
+    try:
+        yield scope
+    except BaseException as exc:
+        _run(scope.__aexit__, type(exc), exc, exc.__traceback__)
+        raise
+    _run(scope.__aexit__, None, None, None)
+
+
+def _run(fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        anyio.run(fn, *args)
+        return
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            anyio.run(fn, *args)
+        except BaseException as exc:  # re-raised in the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name="tokencake-stall-events")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
