@@ -12,6 +12,9 @@ EXTRAS ?= dev,serve-cpu
 PIP_EXTRA_INDEX_URL ?=
 PYTEST_ARGS ?=
 DEMO_APP ?= deep-research
+# 40 device blocks of 128 tokens: the researchers' documents do not all fit, so the extension's
+# offload / host hits show in the summary (the default KV size never evicts anything).
+DEMO_ARGS ?= --device-blocks 40
 
 comma := ,
 PY := $(VENV)/bin/python
@@ -31,7 +34,7 @@ model: venv
 	$(PY) -m tokencake model prepare
 
 demo: model
-	$(PY) -m tokencake run $(DEMO_APP) --serve
+	$(PY) -m tokencake run $(DEMO_APP) --serve $(DEMO_ARGS)
 
 serve: model
 	$(PY) -m tokencake serve

@@ -298,3 +298,8 @@ def test_kv_summary_says_what_the_extension_did() -> None:
     quiet = kv_summary({"events.stall_begin": 3, "stalls.decision.no_pressure": 3})
     assert any("no KV pressure" in line for line in quiet)
     assert "no tool calls" in kv_summary({})[0]
+
+
+def test_device_blocks_needs_the_embedded_server(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _out, err = cli(["run", "rag", "--scripted", "--device-blocks", "40"], capsys)
+    assert code == 2 and "use it with --serve" in err and len(err.strip().splitlines()) == 1

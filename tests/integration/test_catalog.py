@@ -20,7 +20,7 @@ from tokencake.serving import Server
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 #: Short budgets: a quarter of each node's published output tokens (at least 8).
-PARAMS = {"token_scale": 0.25, "latency": "scaled:0.05"}
+PARAMS = {"token_scale": 0.25, "latency": "scaled:0.05", "context": "small"}
 SMALL = {"deep-research": {"branches": 2}, "map-reduce": {"width": 3}, "tool-agent": {"max_turns": 4}}
 
 

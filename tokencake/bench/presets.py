@@ -1,4 +1,4 @@
-"""Named benchmark configurations: ``ci``, ``headroom``, ``stress`` and ``paper``.
+"""Named benchmark configurations: ``ci``, ``headroom``, ``stress``, ``paper`` and ``catalog``.
 
 * ``ci`` — a few minutes on 2 CPU cores including three server starts. Six synthetic multi-turn agents
   (~1,000-token private contexts, 3 turns, 3.5–4.5 s tools, 24 output tokens per turn) on a 40-block
@@ -15,6 +15,11 @@
   times, Poisson arrivals swept over 0.05 … 1.0 apps/s. Each point replays ``apps`` arrivals on every
   system; on 2 CPU cores with SmolLM2-135M a 10-app point takes roughly 5–10 minutes per system, the
   sweep about two hours (measured basis in docs/benchmarks.md). ``--rates`` / ``--apps`` cut it down.
+* ``catalog`` — the bundled apps as the product's users run them: Deep-Research + Code-Writer with
+  ``context=realistic`` (researchers read whole documents, programmers keep files and test logs:
+  ~2.5-2.8k tokens per agent), arriving together, published tool times, 40 device blocks. One app's
+  parallel stage alone (~8k tokens) is 1.6x the device cache (:func:`catalog_pressure`). Estimated at
+  5-7 minutes per system on 2 cores (docs/benchmarks.md); not yet measured.
 
 Every knob can be overridden from the command line (:class:`Overrides`); the resulting config, including
 the full workload, is stored in ``results.json``.
@@ -30,7 +35,14 @@ from tokencake.bench.runner import BenchConfig, Point
 from tokencake.bench.synthetic import DESCRIPTION as SYNTHETIC_DESCRIPTION
 from tokencake.bench.synthetic import MultiTurnSpec
 from tokencake.bench.systems import ServerConfig, resolve_systems
-from tokencake.bench.workload import AGENT_MIX_APP, SYNTHETIC_APP, LLMSettings, Workload, make_workload
+from tokencake.bench.workload import (
+    AGENT_MIX_APP,
+    SYNTHETIC_APP,
+    SYNTHETIC_APPS,
+    LLMSettings,
+    Workload,
+    make_workload,
+)
 
 CPU_BLOCK_TOKENS = 128
 
@@ -385,7 +397,117 @@ def paper(o: Overrides) -> BenchConfig:
     )
 
 
-PRESETS = {"ci": ci, "headroom": headroom, "stress": stress, "paper": paper}
+@dataclass(frozen=True)
+class CatalogFootprint:
+    """Estimated KV footprint of one catalog app run at ``context=realistic`` (tokens).
+
+    Every session's final context with each answer at its full ``max_tokens`` (the benchmark forces
+    that with ``ignore_eos``), estimated high (``tokencake.agents.catalog._material``). ``parallel``
+    is the widest stage: sessions that are live side by side, each idle during its tool calls.
+    ``tests/bench/test_presets_catalog.py`` checks these numbers against scripted runs.
+    """
+
+    #: All sessions of the run together (what a never-evicting cache ends up holding).
+    total: int
+    #: The sessions of the widest stage together.
+    parallel: int
+    #: What that stage is.
+    stage: str
+
+
+#: The ``catalog`` preset's apps in arrival order; ``--apps N`` cycles through them.
+CATALOG_APPS = ("deep-research", "code-writer")
+#: The context level the preset builds every catalog app with.
+CATALOG_CONTEXT = "realistic"
+CATALOG_FOOTPRINT = {
+    "deep-research": CatalogFootprint(total=12_700, parallel=8_300, stage="3 researchers, 2 documents each"),
+    "code-writer": CatalogFootprint(total=32_000, parallel=7_600, stage="3 programmer chains"),
+}
+
+
+def catalog_pressure(config: BenchConfig) -> dict[str, int]:
+    """Estimated device pressure of a ``catalog`` point (tokens): device, peak, all sessions.
+
+    ``peak``: apps that arrive together run their stages in lockstep, so the widest stage of one app
+    is live in every arrival of that app at once; the peak is at least the largest such sum (a lower
+    bound: the other apps' sessions of the moment are not counted). ``total``: every session's final
+    context, the size of a cache that never evicts.
+    """
+    workload = config.points[0].workload
+    counts: dict[str, int] = {}
+    for arrival in workload.arrivals:
+        counts[arrival.app] = counts.get(arrival.app, 0) + 1
+    known = {app: n for app, n in counts.items() if app in CATALOG_FOOTPRINT}
+    peak = max((CATALOG_FOOTPRINT[app].parallel * n for app, n in known.items()), default=0)
+    total = sum(CATALOG_FOOTPRINT[app].total * n for app, n in known.items())
+    return {"device": config.server.device_blocks * CPU_BLOCK_TOKENS, "peak": peak, "total": total}
+
+
+def catalog(o: Overrides) -> BenchConfig:
+    """The ``catalog`` preset: realistic-context catalog apps arriving together on 40 device blocks."""
+    num_apps = _pick(o.apps, len(CATALOG_APPS))
+    rates = o.rates or [None]
+    arrival = _pick(o.arrival, "concurrent")
+    mix = o.mix or {app: 1.0 for app in CATALOG_APPS}
+    catalog_apps = [app for app in mix if app not in SYNTHETIC_APPS]
+    points = []
+    for rate in rates:
+        wl = make_workload(
+            name="catalog",
+            mix=mix,
+            num_apps=num_apps,
+            arrival=arrival if rate is None else (o.arrival or "poisson"),
+            rate=rate,
+            concurrency=o.concurrency,
+            latency=_pick(o.latency, "paper"),
+            seed=o.seed,
+            llm=LLMSettings(max_tokens=o.max_tokens),
+            app_params={app: {"context": CATALOG_CONTEXT} for app in catalog_apps},
+            sequence=None if o.mix else CATALOG_APPS,
+            notes=(
+                f"catalog apps with context={CATALOG_CONTEXT}: agents carry the documents, files and "
+                "test logs their tools return (seeded synthetic text, ~2.5-2.8k tokens per agent)",
+            ),
+        )
+        points.append(Point("catalog" if rate is None else f"catalog@{rate:g}/s", wl))
+    device = _pick(o.device_blocks, 40)
+    apps = [a.app for a in points[0].workload.arrivals]
+    # Sized like the synthetic presets: every session's final context at once, plus 8 spare blocks.
+    # Other apps in --mix cannot be sized here: the ideal then gets the server's default KV size.
+    ideal = None
+    if all(app in CATALOG_FOOTPRINT for app in apps):
+        blocks = sum(math.ceil(CATALOG_FOOTPRINT[app].total / CPU_BLOCK_TOKENS) for app in apps) + 8
+        ideal = max(2 * device, blocks)
+    server = ServerConfig(
+        model=o.model,
+        device_blocks=device,
+        ideal_blocks=_pick(o.ideal_blocks, ideal),
+        host_pool_blocks=_pick(o.host_pool_blocks, 2 * ideal if ideal else 512),
+        extra_args=tuple(o.extra_server_args),
+    )
+    first = points[0].workload
+    arrivals = (
+        f"arriving together ({first.concurrency} at a time)"
+        if first.arrival == "concurrent"
+        else f"{first.arrival} arrivals at {', '.join(f'{r:g}' for r in rates if r)}/s"
+    )
+    return _config(
+        "catalog",
+        o,
+        points=points,
+        server=server,
+        kv_interval_s=0.5,
+        app_timeout_s=1800.0,
+        description=(
+            f"catalog: {num_apps} apps ("
+            + ", ".join(a.app for a in first.arrivals)
+            + f") with realistic contexts, {arrivals}, {_pick(o.latency, 'paper')} tool times, "
+            f"{server.device_blocks} device KV blocks (ideal: {server.ideal_blocks})"
+        ),
+    )
+
+
+PRESETS = {"ci": ci, "headroom": headroom, "stress": stress, "paper": paper, "catalog": catalog}
 
 
 def build(name: str, overrides: Overrides | None = None) -> BenchConfig:

@@ -171,9 +171,12 @@ def make_workload(
     app_params: Mapping[str, Mapping[str, Any]] | None = None,
     inputs_for: Any = None,
     notes: tuple[str, ...] = (),
+    sequence: tuple[str, ...] | None = None,
 ) -> Workload:
     """Generate a workload.
 
+    ``sequence`` fixes the apps instead of drawing them from ``mix``: arrival ``i`` runs
+    ``sequence[i % len(sequence)]`` (a preset whose composition must not depend on the seed).
     ``app_params`` maps an app name to its factory keywords. ``inputs_for(app, index, rng)`` returns the
     run inputs of one arrival (default: :func:`tokencake.bench.apps.default_inputs`); every arrival gets
     its own ``seed`` parameter so seeded tool-latency noise differs between apps but not between systems.
@@ -193,7 +196,10 @@ def make_workload(
         inputs_for = default_inputs
     rng = random.Random(f"tokencake-bench:{seed}")
     times = arrival_times(arrival, num_apps, rate, rng)
-    names = pick_apps(mix, num_apps, rng)
+    if sequence:
+        names = [sequence[i % len(sequence)] for i in range(num_apps)]
+    else:
+        names = pick_apps(mix, num_apps, rng)
     params_by_app = {k: dict(v) for k, v in (app_params or {}).items()}
     arrivals = []
     for i, (t, app) in enumerate(zip(times, names, strict=True)):

@@ -61,6 +61,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="start the embedded default server for this run (vLLM + TokenCake extension + --model, "
         "default the bundled SmolLM2), stop it afterwards",
     )
+    p.add_argument(
+        "--device-blocks",
+        type=int,
+        help="with --serve: device KV cache in blocks (small = KV pressure, where the extension matters)",
+    )
     p.add_argument("--model", help="model name (default: the server's first model)")
     p.add_argument("--api-key", help="API key (default: $TOKENCAKE_API_KEY)")
     p.add_argument(
@@ -411,6 +416,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if key in params:
             raise _error(f"use --{key} instead of --param {key}=…")
     params.update(latency=args.latency, seed=args.seed, noise=args.noise, workdir=args.workdir)
+    if getattr(args, "device_blocks", None) is not None and not args.serve:
+        raise _error("--device-blocks sizes the embedded server: use it with --serve")
     app = _build(args.app, params)
     inputs = _inputs(app, args.app, args)
     with contextlib.ExitStack() as stack:
@@ -427,7 +434,12 @@ def _embedded_server(args: argparse.Namespace, stack: contextlib.ExitStack) -> A
     from tokencake.serving import ModelError, Server, ServerError
 
     try:
-        server = stack.enter_context(Server(args.model, api_key=args.api_key, progress=True))
+        blocks = getattr(args, "device_blocks", None)
+        if blocks is not None and blocks < 1:
+            raise _error("--device-blocks must be >= 1")
+        server = stack.enter_context(
+            Server(args.model, api_key=args.api_key, num_gpu_blocks=blocks, progress=True)
+        )
     except (ServerError, ModelError) as exc:
         raise _error(str(exc)) from None
     print(f"server ready in {server.startup_s:.0f} s at {server.base_url}", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ from tokencake.cli import CLIError
 
 #: Kept here (not imported) so that building the CLI parser stays cheap; a test checks it against
 #: ``tokencake.bench.presets.PRESETS``.
-PRESET_NAMES = ("ci", "headroom", "stress", "paper")
+PRESET_NAMES = ("ci", "headroom", "stress", "paper", "catalog")
 
 
 def register(subparsers: Any) -> None:
@@ -30,7 +30,8 @@ def register(subparsers: Any) -> None:
         choices=PRESET_NAMES,
         help=(
             "ci (~2 min on 2 cores), headroom (~3 min), stress (fan-in agents, heavy-tailed tools, "
-            "two points: ~8 min per round of 3 systems), paper (~2 h on CPU); default ci"
+            "two points: ~8 min per round of 3 systems), paper (~2 h on CPU), catalog (bundled apps with "
+            "realistic contexts, ~15-20 min estimated); default ci"
         ),
     )
     p.add_argument(

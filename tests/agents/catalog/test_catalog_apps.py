@@ -190,8 +190,17 @@ def test_tool_agent_fixes_the_bug_through_model_tool_calls(tmp_path: Path) -> No
     assert out["fixed"] is True and out["mode"] == "tools"
     assert "text.split()" in (Path(out["sandbox"]) / "textutils.py").read_text()
     tools = [ev.tool for ev, _ in recorder.pairs()]
-    assert tools == ["list_files", "read_file", "run_tests", "write_file", "run_tests", "run_tests"]
-    assert result.nodes["swe_agent"].llm_calls == 6
+    assert tools == [
+        "list_files",
+        "read_file",
+        "read_file",
+        "run_tests",
+        "search_docs",
+        "write_file",
+        "run_tests",
+        "run_tests",
+    ]
+    assert result.nodes["swe_agent"].llm_calls == 8
 
 
 def test_tool_agent_reports_an_unfixed_project_when_the_model_is_useless() -> None:

@@ -9,6 +9,9 @@ offline (the tests and ``tokencake run APP --scripted`` use it). Every app takes
 - ``seed`` / ``noise``: seeded lognormal noise on the padded tool durations.
 - ``workdir``: where per-run sandbox directories go (default: the system temp dir).
 - ``token_scale``: multiplies every node's ``max_tokens`` (short budgets for quick CPU runs).
+- ``context``: ``realistic`` (default) | ``small`` — how much tool output (documents, files, test
+  logs) the agents carry in their conversations; ``realistic`` is ~2.5-2.9k tokens per agent, sized
+  for the bundled model's 4,096-token context (see ``_material`` and docs/apps.md).
 
 plus app-specific ones (``branches`` for deep-research, ``width`` for map-reduce, ``max_turns``
 for tool-agent, ``test_timeout`` for code-writer and tool-agent).

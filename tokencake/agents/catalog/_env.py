@@ -22,6 +22,7 @@ from typing import Any
 
 from tokencake.agents.catalog._corpus import Corpus, bundled_corpus
 from tokencake.agents.catalog._latency import LatencyModel
+from tokencake.agents.catalog._material import parse_level
 from tokencake.agents.catalog._sandbox import Sandbox
 
 _CURRENT: contextvars.ContextVar[RunState | None] = contextvars.ContextVar(
@@ -64,6 +65,7 @@ class AppEnv:
         workdir: str | Path | None = None,
         corpus: Corpus | None = None,
         token_scale: float = 1.0,
+        context: str = "realistic",
     ) -> None:
         if not isinstance(token_scale, int | float) or not 0 < token_scale <= 4:
             raise ValueError(f"token_scale must be a number in (0, 4], got {token_scale!r}")
@@ -71,6 +73,8 @@ class AppEnv:
         self.token_scale = float(token_scale)
         self.latency = LatencyModel.parse(latency, noise=noise, seed=seed)
         self.seed = seed
+        #: ``small`` | ``realistic``: how much tool output agents carry (see ``_material``).
+        self.context = parse_level(context)
         self.workdir = Path(workdir) if workdir is not None else None
         self._corpus = corpus
         self._runs: OrderedDict[str, RunState] = OrderedDict()
@@ -125,6 +129,24 @@ class AppEnv:
     def tokens(self, budget: int) -> int:
         """A node's output-token budget scaled by ``token_scale`` (never below 8)."""
         return max(8, round(budget * self.token_scale))
+
+    def size(self, table: dict[str, int]) -> int:
+        """This app's entry of a ``{level: tokens}`` size table."""
+        return table[self.context]
+
+    def keep(self, node: str, messages: list[dict[str, Any]]) -> None:
+        """Store a node's conversation so the next node of the same agent can continue it."""
+        self.current().data[f"conversation:{node}"] = [dict(m) for m in messages]
+
+    def history(self, node: str) -> list[dict[str, Any]]:
+        """The conversation :meth:`keep` stored for ``node``, without its system message.
+
+        A node with the same system prompt that sends ``[*history, new_message]`` repeats the
+        earlier node's prompt token for token: the agent's KV from before its tool call is the
+        prefix of its next request (what a server should keep, or bring back, during the stall).
+        """
+        messages = self.current().data.get(f"conversation:{node}", [])
+        return [dict(m) for m in messages if m.get("role") != "system"]
 
     def pace(self, tool: str, published_s: float) -> AbstractAsyncContextManager[None]:
         """Latency padding for one tool call (see :class:`LatencyModel`)."""

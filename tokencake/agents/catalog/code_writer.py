@@ -24,6 +24,7 @@ from typing import Any
 import tokencake as tc
 from tokencake.agents.catalog._corpus import query_terms
 from tokencake.agents.catalog._env import AppEnv
+from tokencake.agents.catalog._material import document_text, prose, python_module, rng_for, runner_log
 from tokencake.agents.catalog._sandbox import SandboxError
 from tokencake.agents.catalog._text import (
     clip,
@@ -53,6 +54,22 @@ T_SEARCH, T_CHECK, T_WRITE = 4.0, 0.4, 0.1
 T_VALIDATE, T_REVALIDATE = 8.0, 10.0
 T_EXTERNAL, T_CONFIRM, T_TEST = 4.5, 3.5, 5.5
 SEARCH_STAGES = {"query": 0.5, "execute": 1.0, "results": 0.5}
+
+#: Estimated tokens of what the agents carry, per ``context`` level. At ``realistic`` a programmer
+#: chain (patch → repair, one conversation) holds the task, the design, the style guide, the existing
+#: module it builds on, its patch, the full test output and its repair: ~2,450 tokens.
+SIZES: dict[str, dict[str, int]] = {
+    "style": {"small": 80, "realistic": 300},  # CONTRIBUTING.md, in every programmer's prompt
+    "module": {"small": 150, "realistic": 550},  # each existing project/*.py module
+    "log": {"small": 150, "realistic": 550},  # test output of a validation
+    "excerpt": {"small": 60, "realistic": 380},  # page text of each web_search hit
+    "review_code": {"small": 1000, "realistic": 1900},  # code a reviewer reads
+    "revise_code": {"small": 700, "realistic": 1000},  # code a reviser reads
+}
+#: The existing project the programmers extend (seeded; valid, documented Python).
+PROJECT_MODULES = ("project/text_utils.py", "project/io_helpers.py", "project/checks.py")
+#: Characters per estimated token of code, to turn a token budget into format_files' char caps.
+_CODE_CHARS = 3.2
 TEST_STAGES = {"style": 0.5, "compile": 1.0, "functional": 2.0, "report": 1.0}
 
 _FILE_FORMAT = (
@@ -95,6 +112,15 @@ def _part_paths(plan_text: str) -> list[dict[str, str]]:
     return parts
 
 
+def _user(content: str) -> dict[str, str]:
+    return {"role": "user", "content": content}
+
+
+def _new_first(files: dict[str, str]) -> dict[str, str]:
+    """The files the programmers wrote first, then the existing project (which a cap may cut)."""
+    return dict(sorted(files.items(), key=lambda item: (item[0] in PROJECT_MODULES, item[0])))
+
+
 def _valid_module(path: str) -> bool:
     pure = PurePosixPath(path)
     return (
@@ -120,10 +146,23 @@ def build(
     noise: float = 0.0,
     workdir: str | None = None,
     token_scale: float = 1.0,
+    context: str = "realistic",
     test_timeout: float = 30.0,
 ) -> tc.App:
     """The code-writer app (see the module docstring); ``test_timeout`` bounds each test subprocess."""
-    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir, token_scale=token_scale)
+    env = AppEnv(
+        NAME,
+        latency=latency,
+        seed=seed,
+        noise=noise,
+        workdir=workdir,
+        token_scale=token_scale,
+        context=context,
+    )
+
+    def size(what: str) -> int:
+        return env.size(SIZES[what])
+
     app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     # ------------------------------------------------------------------ tools
@@ -137,7 +176,12 @@ def build(
             k: number of results.
         """
         async with env.pace("web_search", T_SEARCH):
-            return [h.to_dict() for h in env.corpus.search(query, k)]
+            hits = []
+            for h in env.corpus.search(query, k):
+                doc = env.corpus.get(h.id)
+                page = document_text(doc.id, doc.title, doc.topic, doc.text, size("excerpt"), env.seed)
+                hits.append({**h.to_dict(), "text": page})
+            return hits
 
     @app.tool(predict_time=T_CHECK, kind="check")
     async def conditional_check(verdict: str, design: str) -> dict[str, Any]:
@@ -214,6 +258,8 @@ def build(
             "passed": len(report.passed),
             "failed": len(report.failed) + len(report.errors),
             "timed_out": report.timed_out,
+            # The whole test output, as a runner prints it: what the agent reads next.
+            "log": runner_log(report.to_dict(), size("log"), env.seed, "|".join(sorted(files))),
         }
 
     @app.tool(predict_time=T_VALIDATE, kind="validate")
@@ -352,6 +398,11 @@ def build(
         task = str(ctx.inputs["task"])
         sandbox = env.current().sandbox
         sandbox.write("TASK.md", f"# Task\n\n{task}\n")
+        # The existing project the programmers work in: a style guide and modules to build on.
+        rules = prose(rng_for("style", env.seed), size("style"), "python")
+        sandbox.write("CONTRIBUTING.md", "# Contributing\n\n" + rules + "\n")
+        for path in PROJECT_MODULES:
+            sandbox.write(path, python_module(path, size("module"), env.seed))
         return {"task": task, "sandbox": str(sandbox.root)}
 
     app.add_function(
@@ -392,7 +443,10 @@ def build(
         async def judger(ctx: tc.Context, inputs: dict[str, Any], r: int = r) -> dict[str, Any]:
             found = inputs[f"search_{r}"]
             background = (
-                "\n".join(f"- [{h['id']}] {h['title']}: {h['snippet']}" for h in found["hits"]) or "- none"
+                "\n\n".join(
+                    f"[{h['id']}] {h['title']}\n{h.get('text') or h['snippet']}" for h in found["hits"]
+                )
+                or "- none"
             )
             reply = await ctx.llm(
                 f"Task: {ctx.inputs['task']}\n\nDesign:\n{clip(found['design'], 1500)}\n\n"
@@ -431,28 +485,50 @@ def build(
             plan = inputs["file_write_plan"]
             part = plan["parts"][k - 1]
             others = ", ".join(p["module"] for p in plan["parts"] if p is not part)
+            sandbox = env.current().sandbox
+            existing = PROJECT_MODULES[(k - 1) % len(PROJECT_MODULES)]
+            context = {existing: sandbox.read(existing)} if sandbox.exists(existing) else {}
+            guide = sandbox.read("CONTRIBUTING.md") if sandbox.exists("CONTRIBUTING.md") else ""
             reply = await ctx.llm(
                 f"Task: {ctx.inputs['task']}\n\nDesign:\n{clip(plan['design'], 1200)}\n\n"
+                f"Project style guide:\n{guide}\n\n"
+                f"Existing code you may reuse (do not change it):\n{format_files(context, 10**6, 10**6)}\n\n"
                 f"You own `{part['module']}` and its tests `{part['test']}` (others write {others}; "
                 "do not import their modules). Write both files."
             )
             allowed = [part["module"], part["test"]]
             files = extract_files(reply.text, allowed, default=part["module"])
+            env.keep(ctx.node, ctx.messages)  # the repair continues this conversation
             result = await ctx.call("validate_patch", files=files, tests=[part["test"]])
             return {"part": part, "files": files, "validation": result}
 
         async def repair(ctx: tc.Context, inputs: dict[str, Any], k: int = k) -> dict[str, Any]:
             prev = inputs[f"programmer_{k}_validate_patch"]
             part, files, validation = prev["part"], prev["files"], prev["validation"]
+            # Same agent, same conversation: the patch request and its reply, then the test output.
+            history = env.history(f"programmer_{k}_validate_patch")
+            log = validation.get("log", "")
             if validation["ok"]:
                 reply = await ctx.llm(
-                    f"Your patch passed validation ({validation['summary']}). Any remaining risk?"
+                    [
+                        *history,
+                        _user(
+                            f"Your patch passed validation ({validation['summary']}).\n\n"
+                            f"Test output:\n{log}\n\nAny remaining risk?"
+                        ),
+                    ]
                 )
                 return {"part": part, "files": files, "validation": validation, "note": one_line(reply.text)}
             problems = "\n".join(f"- {p}" for p in validation["problems"]) or "- (no details)"
+            current = "" if history else f"Current files:\n{format_files(files)}\n\n"
             reply = await ctx.llm(
-                f"Validation failed: {validation['summary']}\n{problems}\n\nCurrent files:\n"
-                f"{format_files(files)}\n\nFix them and write both files again."
+                [
+                    *history,
+                    _user(
+                        f"Validation failed: {validation['summary']}\n{problems}\n\nTest output:\n{log}\n\n"
+                        f"{current}Fix them and write both files again."
+                    ),
+                ]
             )
             fixed = extract_files(reply.text, [part["module"], part["test"]])
             return {"part": part, "files": {**files, **fixed}, "validation": validation, "note": "repaired"}
@@ -481,9 +557,10 @@ def build(
 
         async def reviewer(ctx: tc.Context, inputs: dict[str, Any], r: int = r) -> dict[str, Any]:
             sandbox = env.current().sandbox
-            code = {p: t for p, t in sandbox.snapshot((".py",)).items()}
+            code = _new_first(sandbox.snapshot((".py",)))
+            listing = format_files(code, 2400, int(size("review_code") * _CODE_CHARS))
             reply = await ctx.llm(
-                f"Task: {ctx.inputs['task']}\n\nReview for {focus[r]}:\n\n{format_files(code, 1200)}\n\n"
+                f"Task: {ctx.inputs['task']}\n\nReview for {focus[r]}:\n\n{listing}\n\n"
                 "List concrete problems, or say it looks good."
             )
             return {"focus": focus[r], "review": reply.text.strip(), "files": sorted(code)}
@@ -495,26 +572,45 @@ def build(
         async def revise(ctx: tc.Context, inputs: dict[str, Any], r: int = r) -> dict[str, Any]:
             review = inputs[f"reviewer_{r}"]
             sandbox = env.current().sandbox
-            code = sandbox.snapshot((".py",))
+            code = _new_first(sandbox.snapshot((".py",)))
+            listing = format_files(code, 1200, int(size("revise_code") * _CODE_CHARS))
             reply = await ctx.llm(
                 f"Review ({review['focus']}):\n{clip(review['review'], 1200)}\n\n"
-                f"Code:\n{format_files(code, 1200)}\n\n"
+                f"Code:\n{listing}\n\n"
                 "Write revised versions of the files that need changes."
             )
-            files = extract_files(reply.text, sorted(code)) if "NO CHANGES" not in reply.text.upper() else {}
+            writable = sorted(p for p in code if p not in PROJECT_MODULES)
+            files = extract_files(reply.text, writable) if "NO CHANGES" not in reply.text.upper() else {}
+            env.keep(ctx.node, ctx.messages)  # the repair continues this conversation
             result = await ctx.call("validate_revision", files=files)
             return {"files": files, "validation": result}
 
         async def revise_repair(ctx: tc.Context, inputs: dict[str, Any], r: int = r) -> dict[str, Any]:
             prev = inputs[f"reviser_{r}_validate_patch"]
             files, validation = prev["files"], prev["validation"]
+            history = env.history(f"reviser_{r}_validate_patch")
+            log = validation.get("log", "")
             if validation["ok"] or not files:
-                reply = await ctx.llm(f"Revision check: {validation['summary']}. Anything else to change?")
+                reply = await ctx.llm(
+                    [
+                        *history,
+                        _user(
+                            f"Revision check: {validation['summary']}.\n\nTest output:\n{log}\n\n"
+                            "Anything else to change?"
+                        ),
+                    ]
+                )
                 return {"files": files, "validation": validation, "note": one_line(reply.text)}
             problems = "\n".join(f"- {p}" for p in validation["problems"]) or "- (no details)"
+            current = "" if history else f"{format_files(files)}\n\n"
             reply = await ctx.llm(
-                f"The revision failed: {validation['summary']}\n{problems}\n\n{format_files(files)}\n\n"
-                "Fix the revised files."
+                [
+                    *history,
+                    _user(
+                        f"The revision failed: {validation['summary']}\n{problems}\n\nTest output:\n{log}\n\n"
+                        f"{current}Fix the revised files."
+                    ),
+                ]
             )
             fixed = extract_files(reply.text, sorted(files))
             return {"files": {**files, **fixed}, "validation": validation, "note": "repaired"}

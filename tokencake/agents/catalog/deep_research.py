@@ -10,11 +10,13 @@ it cites corpus documents even when the model forgets to.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import tokencake as tc
 from tokencake.agents.catalog._corpus import bundled_corpus, query_terms
 from tokencake.agents.catalog._env import AppEnv
+from tokencake.agents.catalog._material import document_text
 from tokencake.agents.catalog._text import citations, clip, numbered_lines, one_line
 
 NAME = "deep-research"
@@ -26,6 +28,11 @@ DEFAULT_INPUTS = {"task": DEFAULT_TASK}
 T_SEARCH, T_FETCH, T_CHECK = 3.0, 2.0, 1.0
 SEARCH_STAGES = {"query": 0.5, "execute": 2.0, "results": 0.5}
 DOCS_PER_BRANCH = 2
+#: Estimated tokens of one fetched document, per ``context`` level. A researcher reads two of them
+#: into its own conversation: ~2,700 tokens in all at ``realistic`` (~900 at ``small``).
+DOC_TOKENS = {"small": 250, "realistic": 1050}
+#: Output tokens of each note a researcher takes on a document it read.
+NOTE_TOKENS = 96
 #: Angles used to fill the plan when the planner gives fewer sub-questions than branches.
 _ANGLES = ("background", "mechanisms", "trade-offs", "measurements", "failure modes", "alternatives")
 
@@ -37,12 +44,22 @@ def build(
     noise: float = 0.0,
     workdir: str | None = None,
     token_scale: float = 1.0,
+    context: str = "realistic",
     branches: int = 3,
 ) -> tc.App:
     """The deep-research app with ``branches`` parallel search+read branches (1..16)."""
     if not isinstance(branches, int) or not 1 <= branches <= 16:
         raise ValueError(f"branches must be an int in 1..16, got {branches!r}")
-    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir, token_scale=token_scale)
+    env = AppEnv(
+        NAME,
+        latency=latency,
+        seed=seed,
+        noise=noise,
+        workdir=workdir,
+        token_scale=token_scale,
+        context=context,
+    )
+    doc_tokens = env.size(DOC_TOKENS)
     app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     @app.tool(predict_time=T_SEARCH, kind="search", stages=SEARCH_STAGES, timeout=60.0)
@@ -58,13 +75,15 @@ def build(
 
     @app.tool(predict_time=T_FETCH, kind="fetch", timeout=60.0)
     async def fetch_document(doc_id: str) -> dict[str, str]:
-        """Read one document of the corpus.
+        """Read one document of the corpus (the whole page: the article and its further sections).
 
         Args:
             doc_id: the document id from a search hit.
         """
         async with env.pace("fetch_document", T_FETCH):
-            return env.corpus.get(doc_id).to_dict()
+            doc = env.corpus.get(doc_id)
+            text = document_text(doc.id, doc.title, doc.topic, doc.text, doc_tokens, env.seed)
+            return {**doc.to_dict(), "text": text}
 
     @app.tool(predict_time=T_CHECK, kind="verify")
     async def check_citations(text: str) -> dict[str, Any]:
@@ -113,17 +132,37 @@ def build(
             if not query_terms(query):
                 query = question
             hits = await ctx.call("search_corpus", query=query, k=4)
-            docs = []
-            for hit in hits[:DOCS_PER_BRANCH]:
-                docs.append(await ctx.call("fetch_document", doc_id=hit["id"]))
-            return {"question": question, "query": query, "hits": hits, "docs": docs}
+            if len(hits) < DOCS_PER_BRANCH and query != question:
+                # A query that finds too little (small models write odd ones): search again with the
+                # sub-question itself, as a researcher would, so the branch still reads its documents.
+                seen = {h["id"] for h in hits}
+                more = await ctx.call("search_corpus", query=question, k=4)
+                hits += [h for h in more if h["id"] not in seen]
+            listing = "\n".join(f"- [{h['id']}] {h['title']}: {h['snippet']}" for h in hits) or "- nothing"
+            # The researcher reads what it fetched into its own conversation, one document per turn:
+            # its context grows by a whole document across every fetch (the KV a server should keep).
+            docs, notes = [], []
+            for n, hit in enumerate(hits[:DOCS_PER_BRANCH]):
+                doc = await ctx.call("fetch_document", doc_id=hit["id"])
+                docs.append(doc)
+                lead = f"Search results for '{query}':\n{listing}\n\n" if n == 0 else ""
+                note = await ctx.llm(
+                    f"{lead}Document [{doc['id']}]:\n{doc['text']}\n\n"
+                    f"Note what this document says about the sub-question, citing [{doc['id']}].",
+                    max_tokens=env.tokens(NOTE_TOKENS),
+                )
+                notes.append({"id": doc["id"], "note": note.text.strip()})
+            return {"question": question, "query": query, "hits": hits, "docs": docs, "notes": notes}
 
         async def summarizer(ctx: tc.Context, inputs: dict[str, Any], i: int = i) -> dict[str, Any]:
             found = inputs[f"researcher_{i}"]
             sources = [{"id": d["id"], "title": d["title"]} for d in found["docs"]]
             if found["docs"]:
+                noted = {n["id"]: n["note"] for n in found["notes"]}
                 material = "\n\n".join(
-                    f"[{d['id']}] {d['title']}\n{clip(d['text'], 900)}" for d in found["docs"]
+                    f"[{d['id']}] {d['title']}\nNotes: {clip(noted.get(d['id'], ''), 600)}\n"
+                    f"Excerpt: {clip(d['text'], 900)}"
+                    for d in found["docs"]
                 )
             else:
                 material = "(the search found nothing)"
@@ -136,7 +175,8 @@ def build(
         agent(
             f"researcher_{i}",
             researcher,
-            "You write keyword search queries.",
+            "You research one sub-question: you write a keyword search query, then read the documents "
+            "it finds and note what they say, citing them as [doc-id].",
             64,
             ["planner"],
             ["search_corpus", *["fetch_document"] * DOCS_PER_BRANCH],
@@ -237,6 +277,9 @@ def script(request: tc.ScriptedRequest) -> str:
     if node == "planner":
         return _PLAN
     if node.startswith("researcher_"):
+        read = re.search(r"Document \[([a-z0-9-]+)\]", prompt)
+        if read:
+            return f"[{read.group(1)}] explains one mechanism behind the sub-question and what it costs."
         i = int(node.rsplit("_", 1)[1])
         return _QUERIES[(i - 1) % len(_QUERIES)]
     ids = [c for c in citations(prompt) if c in bundled_corpus().documents]

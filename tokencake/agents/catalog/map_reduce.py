@@ -12,6 +12,7 @@ from typing import Any
 import tokencake as tc
 from tokencake.agents.catalog._corpus import bundled_corpus
 from tokencake.agents.catalog._env import AppEnv
+from tokencake.agents.catalog._material import document_text
 from tokencake.agents.catalog._text import citations, clip
 
 NAME = "map-reduce"
@@ -21,6 +22,9 @@ DEFAULT_TASK = "memory management for the KV cache in LLM serving"
 DEFAULT_INPUTS = {"task": DEFAULT_TASK}
 
 T_SEARCH, T_FETCH = 1.5, 1.0
+#: Estimated tokens of the document each mapper reads, per ``context`` level (a mapper's whole
+#: conversation is ~2,800 tokens at ``realistic``).
+DOC_TOKENS = {"small": 350, "realistic": 2450}
 #: The mappers' common prefix; long on purpose (it is what a prefix cache would share).
 MAPPER_SYSTEM = (
     "You are one of several summarisers working in parallel on parts of a larger collection of documents. "
@@ -40,12 +44,21 @@ def build(
     noise: float = 0.0,
     workdir: str | None = None,
     token_scale: float = 1.0,
+    context: str = "realistic",
     width: int = 6,
 ) -> tc.App:
     """The map-reduce app with ``width`` parallel mappers (1..32)."""
     if not isinstance(width, int) or not 1 <= width <= 32:
         raise ValueError(f"width must be an int in 1..32, got {width!r}")
-    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir, token_scale=token_scale)
+    env = AppEnv(
+        NAME,
+        latency=latency,
+        seed=seed,
+        noise=noise,
+        workdir=workdir,
+        token_scale=token_scale,
+        context=context,
+    )
     app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     @app.tool(predict_time=T_SEARCH, kind="search")
@@ -67,7 +80,9 @@ def build(
             doc_id: the document id.
         """
         async with env.pace("fetch_document", T_FETCH):
-            return env.corpus.get(doc_id).to_dict()
+            doc = env.corpus.get(doc_id)
+            text = document_text(doc.id, doc.title, doc.topic, doc.text, env.size(DOC_TOKENS), env.seed)
+            return {**doc.to_dict(), "text": text}
 
     async def split(ctx: tc.Context, inputs: dict[str, Any]) -> dict[str, Any]:
         topic = str(ctx.inputs["task"])
@@ -91,9 +106,7 @@ def build(
         async def mapper(ctx: tc.Context, inputs: dict[str, Any], i: int = i) -> dict[str, Any]:
             plan = inputs["split"]
             doc = await ctx.call("fetch_document", doc_id=plan["chunks"][i - 1])
-            reply = await ctx.llm(
-                f"Topic: {plan['topic']}\n\n[{doc['id']}] {doc['title']}\n{clip(doc['text'], 1500)}"
-            )
+            reply = await ctx.llm(f"Topic: {plan['topic']}\n\n[{doc['id']}] {doc['title']}\n{doc['text']}")
             return {"id": doc["id"], "title": doc["title"], "summary": reply.text.strip()}
 
         app.add_agent(

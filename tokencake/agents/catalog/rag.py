@@ -14,7 +14,8 @@ import tokencake as tc
 from tokencake.agents.catalog._corpus import bundled_corpus, query_terms
 from tokencake.agents.catalog._embedding import DEFAULT_DIM, VectorIndex, embed
 from tokencake.agents.catalog._env import AppEnv
-from tokencake.agents.catalog._text import citations, clip, one_line
+from tokencake.agents.catalog._material import document_text
+from tokencake.agents.catalog._text import citations, one_line
 
 NAME = "rag"
 SHAPE = "single node with stages: query → embed → retrieve → generate"
@@ -24,6 +25,9 @@ DEFAULT_INPUTS = {"task": DEFAULT_TASK}
 
 T_EMBED, T_RETRIEVE = 0.3, 0.8
 RETRIEVE_STAGES = {"search": 0.6, "load": 0.2}
+#: Estimated tokens of all retrieved passages together, per ``context`` level (split over the k
+#: passages); the agent's one conversation is ~2,700 tokens at ``realistic``.
+PASSAGE_TOKENS = {"small": 600, "realistic": 2250}
 
 
 def build(
@@ -33,12 +37,21 @@ def build(
     noise: float = 0.0,
     workdir: str | None = None,
     token_scale: float = 1.0,
+    context: str = "realistic",
     k: int = 3,
 ) -> tc.App:
     """The rag app; ``k`` passages are retrieved (1..10)."""
     if not isinstance(k, int) or not 1 <= k <= 10:
         raise ValueError(f"k must be an int in 1..10, got {k!r}")
-    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir, token_scale=token_scale)
+    env = AppEnv(
+        NAME,
+        latency=latency,
+        seed=seed,
+        noise=noise,
+        workdir=workdir,
+        token_scale=token_scale,
+        context=context,
+    )
     app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
     index: list[VectorIndex] = []  # built on first use, shared by runs of this app object
 
@@ -64,7 +77,13 @@ def build(
             if not index:
                 index.append(VectorIndex.build(env.corpus))
             hits = index[0].search(vector, k)
-            return [{**h, "text": env.corpus.get(str(h["id"])).text} for h in hits]
+            size = env.size(PASSAGE_TOKENS) // max(1, len(hits))
+            out = []
+            for h in hits:
+                doc = env.corpus.get(str(h["id"]))
+                text = document_text(doc.id, doc.title, doc.topic, doc.text, size, env.seed)
+                out.append({**h, "text": text})
+            return out
 
     async def rag(ctx: tc.Context, inputs: dict[str, Any]) -> dict[str, Any]:
         question = str(ctx.inputs["task"])
@@ -79,9 +98,7 @@ def build(
         vector = await ctx.call("embed_text", text=f"{query} {question}")
         passages = await ctx.call("retrieve", vector=vector, k=k)
         # Stage 4 (generate): the answer continues the same conversation (same KV prefix).
-        context = (
-            "\n\n".join(f"[{p['id']}] {p['title']}\n{clip(p['text'], 900)}" for p in passages) or "(none)"
-        )
+        context = "\n\n".join(f"[{p['id']}] {p['title']}\n{p['text']}" for p in passages) or "(none)"
         answer = await ctx.llm(
             f"Passages:\n{context}\n\nAnswer the question using the passages; cite them as [doc-id]."
         )

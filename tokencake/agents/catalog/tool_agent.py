@@ -20,6 +20,7 @@ import openai
 
 import tokencake as tc
 from tokencake.agents.catalog._env import AppEnv
+from tokencake.agents.catalog._material import document_text, prose, rng_for, runner_log
 from tokencake.agents.catalog._sandbox import SandboxError
 from tokencake.agents.catalog._text import clip
 
@@ -67,6 +68,14 @@ def test_slugify():
     assert slugify("Hello  World") == "hello-world"
 """,
 }
+#: Estimated tokens of what the tools return, per ``context`` level: the project's README (the agent
+#: reads it first), each test run's output and each search hit's page text. The scripted trajectory
+#: (list, read README, read the module, test, search, fix, test) ends at ~2,800 tokens at ``realistic``.
+SIZES: dict[str, dict[str, int]] = {
+    "readme": {"small": 120, "realistic": 480},
+    "log": {"small": 120, "realistic": 360},
+    "excerpt": {"small": 40, "realistic": 170},
+}
 _CALL = re.compile(r"CALL\s+([A-Za-z_]\w*)\s*(\{.*\})?", re.S)
 _TEXT_PROTOCOL = (
     "You fix code in a small Python project by using tools. Tools: list_files(), read_file(path), "
@@ -83,13 +92,26 @@ def build(
     noise: float = 0.0,
     workdir: str | None = None,
     token_scale: float = 1.0,
+    context: str = "realistic",
     max_turns: int = 10,
     test_timeout: float = 30.0,
 ) -> tc.App:
     """The tool-agent app; the model gets at most ``max_turns`` requests (2..40)."""
     if not isinstance(max_turns, int) or not 2 <= max_turns <= 40:
         raise ValueError(f"max_turns must be an int in 2..40, got {max_turns!r}")
-    env = AppEnv(NAME, latency=latency, seed=seed, noise=noise, workdir=workdir, token_scale=token_scale)
+    env = AppEnv(
+        NAME,
+        latency=latency,
+        seed=seed,
+        noise=noise,
+        workdir=workdir,
+        token_scale=token_scale,
+        context=context,
+    )
+
+    def size(what: str) -> int:
+        return env.size(SIZES[what])
+
     app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     @app.tool(predict_time=T_LIST, kind="file")
@@ -131,7 +153,8 @@ def build(
         """Run the project's tests and report passes and failures."""
         async with env.pace("run_tests", T_TEST):
             report = await env.current().sandbox.run_tests(timeout=test_timeout)
-            return {"ok": report.ok, "summary": report.summary(), "problems": report.problems()}
+            log = runner_log(report.to_dict(), size("log"), env.seed, "tool-agent")
+            return {"ok": report.ok, "summary": report.summary(), "problems": report.problems(), "log": log}
 
     @app.tool(predict_time=T_SEARCH, kind="search")
     async def search_docs(query: str) -> list[dict[str, Any]]:
@@ -141,12 +164,21 @@ def build(
             query: keywords.
         """
         async with env.pace("search_docs", T_SEARCH):
-            return [h.to_dict() for h in env.corpus.search(query, 3)]
+            hits = []
+            for h in env.corpus.search(query, 3):
+                doc = env.corpus.get(h.id)
+                page = document_text(doc.id, doc.title, doc.topic, doc.text, size("excerpt"), env.seed)
+                hits.append({**h.to_dict(), "text": page})
+            return hits
 
     async def setup(ctx: tc.Context, inputs: dict[str, Any]) -> dict[str, Any]:
         sandbox = env.current().sandbox
         for path, text in SEED_FILES.items():
             sandbox.write(path, text)
+        readme = prose(rng_for("readme", env.seed), size("readme"), "python")
+        sandbox.write(
+            "README.md", "# textutils\n\nSmall text helpers used by the reporting jobs.\n\n" + readme + "\n"
+        )
         return {"sandbox": str(sandbox.root), "files": sandbox.files()}
 
     app.add_function(env.node(setup), name="setup", description="seed the sandbox with the buggy project")
@@ -240,8 +272,10 @@ def script(request: tc.ScriptedRequest) -> tc.ToolCall | str:
     step = sum(1 for m in request.messages if m.get("role") == "tool")
     plan: list[tuple[str, dict[str, Any]]] = [
         ("list_files", {}),
+        ("read_file", {"path": "README.md"}),
         ("read_file", {"path": "textutils.py"}),
         ("run_tests", {}),
+        ("search_docs", {"query": "python split whitespace words"}),
         ("write_file", {"path": "textutils.py", "content": _FIXED}),
         ("run_tests", {}),
     ]
