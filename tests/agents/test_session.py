@@ -315,3 +315,14 @@ async def test_an_agent_loop_with_the_plain_openai_client_shares_one_session():
     assert session.session_id.startswith("session-")
     assert _tc_fields(server.bodies[0])["next_stall"]["tool"] == "search"
     assert [_tc_fields(b)["turn"] for b in server.bodies] == [0, 1]
+
+
+def test_openai_client_defaults_to_the_sessions_server(monkeypatch):
+    monkeypatch.delenv("TOKENCAKE_BASE_URL", raising=False)
+    monkeypatch.delenv("TOKENCAKE_API_KEY", raising=False)
+    session = tc.Session("s-url", base_url="http://10.0.0.7:9000/v1/", api_key="k1", events_url=False)
+    client = tc.openai_client(session)
+    assert str(client.base_url) == "http://10.0.0.7:9000/v1/" and client.api_key == "k1"
+    other = tc.openai_client(session, base_url="http://127.0.0.1:1/v1", api_key="k2")
+    assert str(other.base_url).startswith("http://127.0.0.1:1/v1") and other.api_key == "k2"
+    assert str(tc.openai_client(lambda: session).base_url).startswith("http://127.0.0.1:8000")

@@ -74,8 +74,11 @@ class Session:
         #: Requests sent so far in this conversation (the ``turn`` of the next one).
         self.turn = 0
         base = base_url or os.environ.get("TOKENCAKE_BASE_URL") or DEFAULT_BASE_URL
-        self.events_url = events_url_for(base.rstrip("/"), events_url)
+        #: The OpenAI base URL of this conversation's server (``openai_client`` defaults to it).
+        self.base_url = base.rstrip("/")
+        self.events_url = events_url_for(self.base_url, events_url)
         api_key = api_key or os.environ.get("TOKENCAKE_API_KEY") or None
+        self.api_key = api_key
         extra = [] if hooks is None else [hooks] if not isinstance(hooks, Sequence) else list(hooks)
         for hook in extra:
             if not (callable(getattr(hook, "begin", None)) and callable(getattr(hook, "end", None))):

@@ -128,13 +128,17 @@ def openai_client(
 ) -> openai.AsyncOpenAI:
     """An ``openai.AsyncOpenAI`` whose chat completions carry ``session``'s TokenCake metadata.
 
-    ``base_url`` / ``api_key`` default to ``TOKENCAKE_BASE_URL`` (``http://127.0.0.1:8000/v1``) and
-    ``TOKENCAKE_API_KEY``; other keywords go to ``AsyncOpenAI``.
+    ``base_url`` / ``api_key`` default to the session's (when ``session`` is a :class:`Session`),
+    else ``TOKENCAKE_BASE_URL`` (``http://127.0.0.1:8000/v1``) and ``TOKENCAKE_API_KEY``; other
+    keywords go to ``AsyncOpenAI``.
     """
     http_client = httpx.AsyncClient(transport=TokenCakeTransport(session, transport), timeout=timeout)
+    own = session if isinstance(session, Session) else None
+    own_url = own.base_url if own is not None else None
+    own_key = own.api_key if own is not None else None
     return openai.AsyncOpenAI(
-        base_url=base_url or os.environ.get("TOKENCAKE_BASE_URL") or DEFAULT_BASE_URL,
-        api_key=api_key or os.environ.get("TOKENCAKE_API_KEY") or "EMPTY",
+        base_url=base_url or own_url or os.environ.get("TOKENCAKE_BASE_URL") or DEFAULT_BASE_URL,
+        api_key=api_key or own_key or os.environ.get("TOKENCAKE_API_KEY") or "EMPTY",
         timeout=timeout,
         http_client=http_client,
         **kwargs,
