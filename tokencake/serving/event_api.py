@@ -463,6 +463,21 @@ def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
             except Exception as exc:
                 self._internal_error(exc)
 
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """Methods other than GET/POST (501 from the stdlib) get the documented JSON 405."""
+            if code != 501:
+                super().send_error(code, message, explain)
+                return
+            self.close_connection = True  # the body (if any) is not read: do not reuse the connection
+            if self.command == "HEAD":  # a HEAD answer has no body
+                self.send_response(405)
+                self.send_header("Content-Length", "0")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                server.metrics.inc("http.405")
+                return
+            self._send_ack(_reject("method_not_allowed", f"use GET or POST, not {self.command}"))
+
         def _read_body(self) -> bytes | None:
             length_header = self.headers.get("Content-Length")
             try:

