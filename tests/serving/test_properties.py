@@ -511,7 +511,7 @@ def test_strategies_reach_accepted_and_rejected_events() -> None:
     """The body generator is not vacuous: it yields accepted events as well as rejected ones."""
     seen: set[int] = set()
 
-    @settings(max_examples=100, deadline=None, database=None)
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True)
     @given(body=bodies)
     def sample(body: bytes) -> None:
         tracker = SessionTracker()

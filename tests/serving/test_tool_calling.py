@@ -144,6 +144,11 @@ def test_flags_by_model(tmp_path: Path) -> None:
         "--tool-call-parser",
         "hermes",
     ]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # SmolLM2's architecture
+    assert tool_calling_args(bundled=False, model_dir=tmp_path) == []  # no Llama 3 tool tokens assumed
+    (tmp_path / "tokencake-model.json").write_text(json.dumps({"name": "smollm2-135m-instruct"}))
+    assert tool_calling_args(bundled=False, model_dir=tmp_path)[2] == BUNDLED_PARSER  # given by path
+    (tmp_path / "tokencake-model.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert tool_calling_args(bundled=False, model_dir=tmp_path) == []  # unknown family: the user says
     assert tool_calling_args(bundled=False, model_dir=tmp_path, parser="pythonic")[-1] == "pythonic"

@@ -4,10 +4,11 @@ OpenAI-compatible agent frameworks (OpenAI Agents SDK, LangGraph, Pydantic AI) s
 ``tool_choice="auto"``; vLLM answers 400 unless it runs with ``--enable-auto-tool-choice`` and a
 ``--tool-call-parser`` that matches what the model writes. The rule:
 
-* the bundled SmolLM2: its own chat template renders neither ``tools`` nor an assistant's
-  ``tool_calls`` (it concatenates ``content``, which is null there), so the server uses
-  ``templates/smollm2_tools.jinja`` — the same ChatML, plus tools in the Hermes format — and vLLM's
-  ``hermes`` parser. Conversations without tools render exactly as before;
+* the bundled SmolLM2 (by name, or a directory ``tokencake model prepare`` made): its own chat
+  template renders neither ``tools`` nor an assistant's ``tool_calls`` (it concatenates
+  ``content``, which is null there), so the server uses ``templates/smollm2_tools.jinja`` — the
+  same ChatML, plus tools in the Hermes format — and vLLM's ``hermes`` parser. Conversations
+  without tools render exactly as before;
 * another model: the parser of its family from ``config.json`` (below), with the model's own
   template; a family not listed gets none (say ``--tool-call-parser NAME``);
 * ``tool_call_parser="none"`` turns tool calling off; explicit vLLM flags in ``extra_args`` win.
@@ -19,23 +20,41 @@ import json
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["BUNDLED_PARSER", "bundled_template_path", "parser_for_model", "tool_calling_args"]
+__all__ = [
+    "BUNDLED_PARSER",
+    "bundled_template_path",
+    "is_bundled_dir",
+    "parser_for_model",
+    "tool_calling_args",
+]
 
 #: The parser whose format ``templates/smollm2_tools.jinja`` teaches.
 BUNDLED_PARSER = "hermes"
 
 #: ``model_type`` of a model's config.json → the vLLM parser its chat template's format matches.
+#: Only families whose parser needs no special tokens of its own: many models share an
+#: architecture (SmolLM2 is ``llama``) without sharing Llama 3's or Mistral's tool tokens, and a
+#: parser whose tokens are missing stops vLLM at start-up. Others: ``--tool-call-parser NAME``.
 _FAMILY_PARSERS: dict[str, str] = {
     "qwen2": "hermes",
     "qwen2_moe": "hermes",
     "qwen3": "hermes",
     "qwen3_moe": "hermes",
-    "llama": "llama3_json",
-    "mistral": "mistral",
-    "granite": "granite",
-    "internlm2": "internlm",
-    "phi3": "phi4_mini_json",
 }
+
+#: The marker ``tokencake model prepare`` writes into the bundled model's directory.
+_BUNDLED_MARKER = "tokencake-model.json"
+_BUNDLED_NAME = "smollm2-135m-instruct"
+
+
+def is_bundled_dir(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` is a prepared copy of the bundled model (however it was named)."""
+    try:
+        info = json.loads((Path(model_dir) / _BUNDLED_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("name") == _BUNDLED_NAME
+
 
 _OWN_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--chat-template")
 
@@ -67,6 +86,7 @@ def tool_calling_args(
         return []  # the user drives vLLM's tool flags directly
     if parser is None or parser == "none":
         return [] if chat_template is None else ["--chat-template", chat_template]
+    bundled = bundled or is_bundled_dir(model_dir)
     if parser == "auto":
         parser = BUNDLED_PARSER if bundled else parser_for_model(model_dir)
     template = chat_template if chat_template is not None else (bundled_template_path() if bundled else None)
