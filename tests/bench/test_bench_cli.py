@@ -144,3 +144,21 @@ def test_stress_dry_run_has_two_points_and_takes_its_overrides(capsys):
     assert params[0]["shared_prefix_tokens"] == 0 < params[1]["shared_prefix_tokens"]
     assert main(["bench", "--preset", "stress", "--dry-run", "--workers", "0"]) == 2
     assert "workers" in capsys.readouterr().err
+
+
+def test_policy_systems_start_the_extension_with_their_policy():
+    from tokencake.serving import Server
+
+    config = ServerConfig(device_blocks=40, ideal_blocks=300)
+    specs = resolve_systems(["offload-all", "continuum", "infercept", "stock-connector", "tokencake"])
+    got = [server_kwargs(s, config, Server)["policy"] for s in specs]
+    assert got == ["offload-all", "continuum", "infercept", "stock", "tokencake"]
+    assert all(not s.stock and s.kv == "device" for s in specs)
+    assert resolve_systems(["continuum"])[0].to_dict()["policy"] == "continuum"
+
+    class NoPolicy:
+        def __init__(self, model=None, *, baseline=False, num_gpu_blocks=None):
+            pass
+
+    with pytest.raises(ValueError, match="needs policy 'continuum'"):
+        server_kwargs(specs[1], config, NoPolicy)

@@ -72,4 +72,3 @@ def test_a_conversation_holding_tool_results_continues(tokencake_server: Server)
     )
     assert reply.usage is not None and reply.usage.prompt_tokens > 60  # tools + call + result rendered
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
-

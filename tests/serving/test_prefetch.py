@@ -240,3 +240,21 @@ def test_capacity_bound(clock: Clock) -> None:
         planner.begin(f"s{i}", f"sess{i}", predicted_s=1.0, h2d_s=0.0)
     assert [p.stall_id for p in planner.open_stalls()] == ["s1", "s2"]
     assert planner.stats()["dropped_over_capacity"] == 1
+
+
+def test_at_end_mode_is_due_only_when_the_tool_returns() -> None:
+    planner = PrefetchPlanner(clock=lambda: 0.0)
+    planner.begin("s", "A", 10.0, 0.1, now=0.0, mode="at_end")
+    assert planner.due(now=9.9) == []
+    planner.end("s", now=12.0)
+    assert planner.due(now=12.0) == ["s"]
+    assert planner.counts()["due_at_end"] == 1
+
+
+def test_none_mode_is_never_due() -> None:
+    planner = PrefetchPlanner(clock=lambda: 0.0)
+    planner.begin("s", "A", 10.0, 0.1, now=0.0, mode="none")
+    planner.end("s", now=1.0)
+    assert planner.due(now=100.0) == []
+    with pytest.raises(ValueError, match="mode must be"):
+        planner.begin("t", "A", 1.0, 0.1, mode="soon")

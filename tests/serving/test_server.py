@@ -570,3 +570,14 @@ def test_tool_calling_flags_for_the_bundled_model_and_others(cpu: None) -> None:
     off = Server(port=1, tool_call_parser="none")
     off.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
     assert "--enable-auto-tool-choice" not in off.vllm_args()
+
+
+def test_policy_reaches_the_connector_and_a_bad_one_is_refused() -> None:
+    s = Server(policy="continuum", events_port=9301)
+    _resolved(s)
+    assert s.kv_transfer_config()["kv_connector_extra_config"]["policy"] == "continuum"
+    default = Server(events_port=9302)
+    _resolved(default)
+    assert "policy" not in default.kv_transfer_config()["kv_connector_extra_config"]
+    with pytest.raises(ValueError, match="unknown KV policy 'fifo'"):
+        Server(policy="fifo")

@@ -332,6 +332,14 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("tokencake-roomy", "ideal-priority"),
     ("tokencake", "baseline-priority"),
     ("ideal-priority", "ideal"),
+    # The literature's policies in the same server (issue 10): tokencake against each, each against the ideal.
+    ("tokencake", "offload-all"),
+    ("tokencake", "continuum"),
+    ("tokencake", "infercept"),
+    ("offload-all", "ideal"),
+    ("continuum", "ideal"),
+    ("infercept", "ideal"),
+    ("stock-connector", "baseline"),
 )
 #: Extension summary fields of the ``tokencake`` system copied into each point's comparison.
 EXTENSION_HEADLINES: tuple[str, ...] = (

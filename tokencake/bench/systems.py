@@ -15,6 +15,11 @@ state.
 ``tokencake-roomy`` vLLM + the extension with the ideal's ``ideal_blocks`` KV (no pressure): its own cost
 ``baseline-priority`` ``baseline`` with ``--scheduling-policy priority`` (what every extension server runs)
 ``ideal-priority``  ``ideal`` with ``--scheduling-policy priority``
+``offload-all``     extension with the ``offload-all`` policy: every finished request stored to an LRU host
+                    pool, loaded on a miss, no events (vLLM's native CPU offloading / LMCache behaviour)
+``continuum``       extension with the ``continuum`` policy: device pin for a TTL from the tool-time CDF
+``infercept``       extension with the ``infercept`` policy: preserve / swap / discard by memory waste
+``stock-connector`` extension loaded with the ``stock`` policy (decides nothing): the connector's own cost
 =================== =================================================================================
 
 The ``*-priority`` controls isolate vLLM's priority scheduler (which also changes which request vLLM
@@ -47,6 +52,8 @@ class SystemSpec:
     description: str = ""
     #: Stock systems only: run vLLM's priority scheduler (extension servers always do).
     priority: bool = False
+    #: Extension systems: the KV policy (``tokencake.serving.policies``).
+    policy: str = "tokencake"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +63,7 @@ class SystemSpec:
             "flags": dict(self.flags),
             "description": self.description,
             "priority": self.priority or not self.stock,
+            "policy": None if self.stock else self.policy,
         }
 
 
@@ -100,6 +108,34 @@ SYSTEMS: dict[str, SystemSpec] = {
         kv="ideal",
         priority=True,
         description="the ideal with --scheduling-policy priority (control for tokencake-roomy)",
+    ),
+    "offload-all": SystemSpec(
+        "offload-all",
+        stock=False,
+        flags=dict(_ALL_ON),
+        policy="offload-all",
+        description="extension, offload-all policy: LRU host tier without events (vLLM native / LMCache)",
+    ),
+    "continuum": SystemSpec(
+        "continuum",
+        stock=False,
+        flags=dict(_ALL_ON),
+        policy="continuum",
+        description="extension, continuum policy: device pin for a TTL from the tool-time CDF",
+    ),
+    "infercept": SystemSpec(
+        "infercept",
+        stock=False,
+        flags=dict(_ALL_ON),
+        policy="infercept",
+        description="extension, infercept policy: preserve / swap / discard by least memory waste",
+    ),
+    "stock-connector": SystemSpec(
+        "stock-connector",
+        stock=False,
+        flags=dict(_ALL_ON),
+        policy="stock",
+        description="extension loaded with the stock policy (decides nothing): the connector's own cost",
     ),
 }
 ALIASES = {"offload-only": "prefetch-off", "stock": "baseline", "vllm": "baseline"}
@@ -164,6 +200,10 @@ def server_kwargs(spec: SystemSpec, config: ServerConfig, server_cls: Any) -> di
     if config.host_pool_blocks is not None:
         kwargs["host_pool_blocks"] = config.host_pool_blocks
     params = inspect.signature(server_cls).parameters
+    if "policy" in params:
+        kwargs["policy"] = spec.policy
+    elif spec.policy != "tokencake":
+        raise ValueError(f"system {spec.name!r} needs policy {spec.policy!r}; Server has no policy keyword")
     flags = {k: spec.flags.get(k, True) for k in EXTENSION_FLAGS}
     if all(k in params for k in EXTENSION_FLAGS):
         kwargs.update(flags)

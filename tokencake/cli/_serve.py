@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 from tokencake.cli import CLIError
+from tokencake.serving.policies import DEFAULT_POLICY, POLICY_NAMES
 
 #: Port of ``tokencake serve`` when none is given: what ``tc.LLM()`` expects by default.
 DEFAULT_PORT = 8000
@@ -66,6 +67,12 @@ def register(subparsers: Any) -> None:
         "model), none, or a vLLM parser name",
     )
     p.add_argument("--chat-template", help="chat template file (default: the model's own)")
+    p.add_argument(
+        "--policy",
+        choices=POLICY_NAMES,
+        default=DEFAULT_POLICY,
+        help="extension: the KV policy (default tokencake; docs/policy.md compares them)",
+    )
     p.add_argument("--no-offload", action="store_true", help="extension: never offload KV to host")
     p.add_argument("--no-prefetch", action="store_true", help="extension: no predictive prefetch")
     p.add_argument("--no-demand-load", action="store_true", help="extension: no load on a host hit")
@@ -161,6 +168,7 @@ def build_server(args: argparse.Namespace) -> Any:
         offload=not args.no_offload,
         prefetch=not args.no_prefetch,
         demand_load=not args.no_demand_load,
+        policy=None if args.baseline else args.policy,
         startup_timeout=args.startup_timeout,
         tool_call_parser=args.tool_call_parser,
         chat_template=args.chat_template,

@@ -81,6 +81,9 @@ class PlannedStall:
     cancel_reason: str | None = None
     #: Agent type / tool: whose return-time ratios this stall learns from and aims with.
     key: str | None = None
+    #: ``predictive`` (before the return), ``at_end`` (when the tool returns) or ``none`` (never:
+    #: the next request's demand load brings the blocks back); the policy's choice.
+    mode: str = "predictive"
 
 
 class PrefetchPlanner:
@@ -150,12 +153,16 @@ class PrefetchPlanner:
         key: str | None = None,
         wait_s: float = 0.0,
         now: float | None = None,
+        mode: str = "predictive",
     ) -> PlannedStall:
         """Plan the upload for a stall whose blocks are (being) offloaded; returns a copy of the plan.
 
         ``key`` (agent type / tool) selects the learned return-time ratios; ``wait_s`` is how long
-        a copy decided now waits for the engine to act on it (the next step boundary).
+        a copy decided now waits for the engine to act on it (the next step boundary). ``mode``
+        ``at_end`` makes the upload due only when the tool returns, ``none`` never.
         """
+        if mode not in ("predictive", "at_end", "none"):
+            raise ValueError(f"mode must be predictive, at_end or none, got {mode!r}")
         t = self._now(now)
         predicted = predicted_s if math.isfinite(predicted_s) and predicted_s > 0 else 0.0
         lead = _finite(h2d_s) + _finite(wait_s) + self.safety_margin_s
@@ -167,8 +174,9 @@ class PrefetchPlanner:
             begin_at=t,
             predicted_s=predicted,
             lead_s=lead,
-            due_at=t + max(ratio * predicted - lead, 0.0),
+            due_at=t + max(ratio * predicted - lead, 0.0) if mode == "predictive" else math.inf,
             key=key,
+            mode=mode,
             expires_at=t
             + stall_expiry_s(
                 predicted, factor=self.expiry_factor, min_s=self.expiry_min_s, max_s=self.expiry_max_s
@@ -193,10 +201,15 @@ class PrefetchPlanner:
                 return None
             plan.ended_at = t
             self._learn_locked(plan, t)
-            if plan.state == "evicted":
+            if plan.mode == "none":
+                pass  # the next request loads on demand
+            elif plan.state == "evicted":
                 plan.state = "waiting"  # prefetched too early and lost: upload again now
                 plan.due_at = t
                 self._count("reprefetch_after_eviction")
+            elif plan.state == "waiting" and plan.mode == "at_end":
+                plan.due_at = t
+                self._count("due_at_end")
             elif plan.state == "waiting" and plan.due_at > t:
                 plan.due_at = t
                 self._count("early_end")

@@ -49,6 +49,7 @@ from tokencake.serving.model import (
     resolve_model,
     tokencake_home,
 )
+from tokencake.serving.policies import POLICY_NAMES
 from tokencake.serving.tool_calling import tool_calling_args
 
 #: Where vLLM loads our connector from (written by the connector work stream).
@@ -470,6 +471,7 @@ class Server:
         offload: bool = True,
         prefetch: bool = True,
         demand_load: bool = True,
+        policy: str | None = None,
         connector_config: Mapping[str, Any] | None = None,
         shutdown_timeout: int = 5,
         kill_after: float | None = None,
@@ -488,6 +490,8 @@ class Server:
             raise ValueError("kv_cache_gib must be > 0")
         if shutdown_timeout < 1:
             raise ValueError("shutdown_timeout must be >= 1 s (0 force-kills EngineCore)")
+        if policy is not None and policy not in POLICY_NAMES:
+            raise ValueError(f"unknown KV policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
         self._model_arg = model
         self.host = host
         self.port = port
@@ -508,6 +512,8 @@ class Server:
         self.served_model_name = served_model_name
         self.scheduler_cls = scheduler_cls
         self.offload, self.prefetch, self.demand_load = offload, prefetch, demand_load
+        #: The extension's KV policy (``tokencake.serving.policies``); None = the connector's default.
+        self.policy = policy
         self.connector_config = dict(connector_config or {})
         self.shutdown_timeout = shutdown_timeout
         #: Seconds from SIGTERM to SIGKILL of stragglers (vLLM's own shutdown + margin).
@@ -598,6 +604,8 @@ class Server:
             "prefetch": self.prefetch,
             "demand_load": self.demand_load,
         }
+        if self.policy is not None:
+            extra["policy"] = self.policy
         if self.host_pool_blocks is not None:
             extra["host_pool_blocks"] = int(self.host_pool_blocks)
         if self.host_pool_gib is not None:

@@ -183,3 +183,22 @@ def test_scheduler_init_failure_passes_through(build: Any, monkeypatch: pytest.M
     assert conn.get_num_new_matched_tokens(SimpleNamespace(), 0) == (0, False)
     assert conn.request_finished(SimpleNamespace(), []) == (False, None)
     assert not conn.has_pending_push_work()
+
+
+# ------------------------------------------------------------------------------ policy + profile
+
+
+def test_policy_is_chosen_by_name_and_an_unknown_one_falls_back() -> None:
+    assert _options({"policy": "Continuum"}).policy == "continuum"
+    assert _options({"policy": "lru-magic"}).policy == Options().policy == "tokencake"
+    assert _options({"keep_after_end_s": "2.5"}).keep_after_end_s == 2.5
+
+
+def test_the_connector_runs_the_configured_policy(build: Any, tmp_path: Any) -> None:
+    conn = build({"policy": "offload-all", "profile_dir": str(tmp_path)})
+    assert conn.sched is not None and conn.sched.policy.name == "offload-all"
+    assert conn.sched.stats_snapshot()["config"]["policy"] == "offload-all"
+    # The prefill profile lives per model and hardware under profile_dir.
+    assert conn.sched.profile.path is not None and conn.sched.profile.path.parent == tmp_path
+    off = build({"profile_dir": "off"})
+    assert off.sched is not None and off.sched.profile.path is None

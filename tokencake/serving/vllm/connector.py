@@ -13,7 +13,10 @@ own ``/metrics`` as ``vllm:tokencake_*`` (see ``metrics.py``).
 ``kv_connector_extra_config`` keys: ``events_host`` (default 127.0.0.1), ``events_port`` (no
 listener when absent), ``host_pool_blocks`` or ``host_pool_gib`` (default 1 GiB),
 ``offload`` / ``prefetch`` / ``demand_load`` / ``early_save`` / ``demote`` (default true),
-``wake_idle_engine`` (default true), and the numeric policy knobs of :func:`_options`.
+``wake_idle_engine`` (default true), ``policy`` (a name from ``tokencake.serving.policies``;
+default ``tokencake``), ``profile_dir`` (where the prefill profile is kept per model and hardware;
+default ``~/.cache/tokencake/profiles``; ``off`` keeps it in memory only), and the numeric policy
+knobs of :func:`_options`.
 
 The events API key comes from the environment (``TOKENCAKE_EVENTS_API_KEY``, which ``Server``
 sets in the vLLM child only): the extra config is part of vLLM's argv and of its logged
@@ -25,9 +28,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import platform
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +45,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tokencake.serving.event_api import EVENTS_API_KEY_ENV, EventServer
 from tokencake.serving.host_pool import blocks_for_gib
+from tokencake.serving.model import tokencake_home
+from tokencake.serving.policies import DEFAULT_POLICY, POLICY_NAMES
+from tokencake.serving.profile import PrefillProfile, profile_path
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm import metrics as tc_metrics
 from tokencake.serving.vllm.metadata import CopyJob, TokenCakeMetadata, TokenCakeWorkerMeta
@@ -89,12 +97,37 @@ def host_pool_blocks(extra: dict[str, Any], block_bytes: int) -> int:
     return blocks_for_gib(gib, block_bytes)
 
 
+def _profile_file(vllm_config: VllmConfig, extra: Mapping[str, Any], cuda: bool) -> Path | None:
+    """Where this model's prefill profile lives on this hardware (None: ``profile_dir=off``)."""
+    where = str(extra.get("profile_dir") or "").strip()
+    if where.lower() in ("off", "none", "false", "0"):
+        return None
+    directory = Path(where).expanduser() if where else tokencake_home() / "profiles"
+    model_config = getattr(vllm_config, "model_config", None)
+    model = str(getattr(model_config, "model", "model"))
+    dtype = str(getattr(model_config, "dtype", "")).replace("torch.", "")
+    device = torch.cuda.get_device_name(0) if cuda else f"cpu{os.cpu_count()}-{platform.machine()}"
+    return profile_path(directory, model, f"{device}-{dtype}")
+
+
 def _options(extra: dict[str, Any]) -> Options:
     """Policy knobs from ``kv_connector_extra_config``; a bad value keeps the default (logged)."""
     opts = Options()
     for name in ("offload", "prefetch", "demand_load", "early_save", "demote"):
         setattr(opts, name, _extra_bool(extra, name, getattr(opts, name)))
+    policy = str(extra.get("policy") or DEFAULT_POLICY).strip().lower()
+    if policy in POLICY_NAMES:
+        opts.policy = policy
+    else:
+        log.warning(
+            "TokenCake: unknown policy %r (choose from %s); using %s",
+            policy,
+            ", ".join(POLICY_NAMES),
+            opts.policy,
+        )
     numeric: dict[str, type] = {
+        "policy_seed": int,
+        "keep_after_end_s": float,
         "usage_threshold": float,
         "prefetch_margin_s": float,
         "end_grace_s": float,
@@ -210,14 +243,16 @@ class TokenCakeConnector(KVConnectorBase_V1):
             except Exception:
                 log.warning("TokenCake: could not set kv_load_failure_policy=recompute; pass it")
         opts = _options(extra)
+        cuda = torch.cuda.is_available()
         self.sched = SchedulerSide(
             block_size=block_size,
             block_bytes=block_bytes,
             num_host_blocks=num_host,
             num_workers=vllm_config.parallel_config.world_size,
             max_step_tokens=int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 2048),
-            device_is_cuda=torch.cuda.is_available(),
+            device_is_cuda=cuda,
             options=opts,
+            profile=PrefillProfile(device_is_cuda=cuda, path=_profile_file(vllm_config, extra, cuda)),
         )
         if _extra_bool(extra, "wake_idle_engine", True):
             wake = bp.find_engine_wakeup()

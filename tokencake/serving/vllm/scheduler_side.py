@@ -39,6 +39,7 @@ reported so vLLM recomputes; nothing from before a ``reset_cache`` is committed 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -52,7 +53,9 @@ from tokencake.events import META_KEY, EventAck, NextStall, RequestMeta, StallBe
 from tokencake.serving.forecast import DurationForecaster
 from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remaining_s
 from tokencake.serving.host_pool import HostPool, HostPoolExhausted
+from tokencake.serving.policies import DEFAULT_POLICY, KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
+from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.sessions import ByteLRU, SessionTracker, StallTransition, hashes_nbytes
 from tokencake.serving.stats import Stats
 from tokencake.serving.vllm import _blockpool as bp
@@ -73,6 +76,13 @@ READINESS = ("prefetched", "not_needed", "loading", "missed")
 class Options:
     """Knobs from ``kv_connector_extra_config`` (see ``docs/architecture.md``)."""
 
+    #: The KV policy (``tokencake.serving.policies``): tokencake, offload-all, continuum, infercept,
+    #: stock, random.
+    policy: str = DEFAULT_POLICY
+    policy_seed: int = 0
+    #: A ``keep`` (device pin) ends at most this long after the tool returned (the next request
+    #: normally comes within a step or two; an agent that never sends one must not hold memory).
+    keep_after_end_s: float = 5.0
     offload: bool = True
     prefetch: bool = True
     demand_load: bool = True
@@ -182,11 +192,23 @@ class _Stall:
     #: Headroom refusals; a deferred prefetch waits for the next regular step.
     deferred: int = 0
     accounted: bool = False
+    #: The policy's plan says the device copies go first in the eviction queue once on host.
+    evict_first: bool = True
 
     @property
     def returns_at(self) -> float:
         """Predicted end of the tool call (server clock)."""
         return self.begin_at + self.predicted_s
+
+
+@dataclass
+class _Keep:
+    """Device blocks a policy holds for an idle session (one reference each, released once)."""
+
+    session_id: str
+    blocks: list[KVCacheBlock]
+    until: float
+    since: float
 
 
 @dataclass
@@ -235,6 +257,7 @@ class SchedulerSide:
         max_step_tokens: int = 2048,
         options: Options | None = None,
         clock: Callable[[], float] = time.monotonic,
+        profile: PrefillProfile | None = None,
     ) -> None:
         self.opts = options or Options()
         #: One step may schedule this many new tokens (vLLM's max_num_batched_tokens).
@@ -246,13 +269,18 @@ class SchedulerSide:
         self.host = HostPool(num_host_blocks)
         self.stats = Stats()
         self.forecaster = DurationForecaster()
-        self.transfer = TransferModel.for_device(device_is_cuda)
+        self.profile = profile if profile is not None else PrefillProfile(device_is_cuda=device_is_cuda)
+        seeded = self.profile.bandwidths or {}
+        self.transfer = TransferModel.for_device(
+            device_is_cuda, **{f"{k}_bytes_per_s": v for k, v in seeded.items()}
+        )
         self.gate = OffloadGate(
             self.transfer,
             enabled=self.opts.offload,
             usage_threshold=self.opts.usage_threshold,
             min_waiting=self.opts.min_waiting,
         )
+        self.policy: KVPolicy = make_policy(self.opts.policy, gate=self.gate, seed=self.opts.policy_seed)
         self.sessions = SessionTracker(clock=clock)
         self.planner = PrefetchPlanner(
             clock=clock,
@@ -310,11 +338,17 @@ class SchedulerSide:
         self._last_risk: float | None = None
         self._usa_req: str | None = None
         self._usa_first = 0
+        #: Session id -> device blocks a policy keeps for it (``keep``).
+        self._kept: dict[str, _Keep] = {}
+        #: Request id -> arrival time (the queueing delay policies learn from).
+        self._arrival: dict[str, float] = {}
         self.stats.register("host_pool", self.host.stats)
         self.stats.register("sessions", self.sessions.stats)
         self.stats.register("forecast", self.forecaster.stats)
         self.stats.register("gate", self.gate.stats)
         self.stats.register("prefetch_plan", self.planner.stats)
+        self.stats.register("policy", self.policy.stats)
+        self.stats.register("profile", self.profile.stats)
         self.stats.register("engine", self._engine_stats)
         self.stats.register("config", self._config_stats)
 
@@ -390,22 +424,25 @@ class SchedulerSide:
             )
             self.stats.inc("requests.with_meta")
         self._waiting[request.request_id] = -(-int(request.num_tokens) // self.block_size)
+        self._arrival[request.request_id] = self.clock()
 
     def request_finished(self, request: Request) -> None:
         req_id = request.request_id
         self._waiting.pop(req_id, None)
+        self._arrival.pop(req_id, None)
         self._pending_load.pop(req_id, None)
         self._local_hit.pop(req_id, None)
         info = self._reqs.pop(req_id, None)
-        if info is None:
+        if info is None and self.policy.uses_events:
             return
         # Full blocks only: the partial tail block is never cached.
         num_full = request.num_computed_tokens // self.block_size
         hashes = [bytes(h) for h in list(request.block_hashes)[:num_full]]
-        self.sessions.record_request(info.session_id, hashes, request.num_computed_tokens, req_id)
-        if info.next_stall is not None:
+        if info is not None:
+            self.sessions.record_request(info.session_id, hashes, request.num_computed_tokens, req_id)
+        if (info is not None and info.next_stall is not None) or not self.policy.uses_events:
             try:
-                self._early_save(info, hashes, self.clock())
+                self._on_finished(info, hashes, self.clock())
             except Exception:
                 self.stats.inc("errors.early_save")
                 log.exception("TokenCake: early save for %s failed", req_id)
@@ -445,6 +482,44 @@ class SchedulerSide:
             session_known=known,
         )
 
+    def _view(
+        self,
+        chain: list,
+        predicted_s: float,
+        elapsed_s: float,
+        known: bool,
+        now: float,
+        *,
+        session_id: str,
+        agent_type: str,
+        tool: str | None,
+        at_finish: bool,
+        announced: bool,
+    ) -> PolicyView:
+        """Everything a policy may weigh for one session (see ``tokencake.serving.policies``)."""
+        assert self.pool is not None
+        gate = self._gate_input(chain, predicted_s, elapsed_s, known, now)
+        on_host = gate.num_on_host
+        return PolicyView(
+            gate=gate,
+            session_id=session_id,
+            agent_type=agent_type,
+            tool=tool,
+            device_blocks=self.pool.num_gpu_blocks,
+            device_free_blocks=bp.num_free(self.pool),
+            waiting_blocks=sum(self._waiting.values()),
+            recompute_s=self.profile.recompute_s(len(chain) * self.block_size),
+            d2h_s=self.transfer.estimate("d2h", max(len(chain) - on_host, 0) * self.block_bytes),
+            h2d_s=self.transfer.estimate("h2d", len(chain) * self.block_bytes),
+            at_finish=at_finish,
+            announced=announced,
+            kept=session_id in self._kept,
+        )
+
+    def _count_plan(self, where: str, plan: Plan) -> None:
+        self.stats.inc(f"policy.{where}.{plan.action}")
+        self.stats.inc(f"policy.reason.{plan.reason}")
+
     def _plan_offload(self, chain: list, *, stall_id: str | None, session_id: str) -> _Job | None:
         """Pin the chain's device blocks that have no host copy yet and queue their copy.
 
@@ -478,31 +553,96 @@ class SchedulerSide:
         self.stats.inc("offload.jobs")
         return job
 
-    def _early_save(self, info: _ReqInfo, hashes: list[bytes], now: float) -> None:
-        """The request announced a tool call: copy its blocks while vLLM still holds them.
+    def _on_finished(self, info: _ReqInfo | None, hashes: list[bytes], now: float) -> None:
+        """A request finished: ask the policy while vLLM still holds its blocks.
 
         The blocks of a request that just finished sit at the safe end of the eviction queue, but
         under pressure they can be evicted before ``stall_begin`` reaches the engine; the session
-        would then only get back the part an earlier turn had saved. Asking the gate with the
-        announced tool's forecast here makes the save independent of that race.
+        would then only get back the part an earlier turn had saved. Deciding here, with the
+        announced tool's forecast, makes the save (or the pin) independent of that race. Policies
+        that use no events (offload-all) decide here for every request.
         """
-        if not self.opts.offload or self.pool is None or not hashes or info.next_stall is None:
+        if self.pool is None or not hashes:
             return
-        nxt = info.next_stall
-        fc = self.forecaster.predict(info.agent_type, nxt.tool, nxt.predicted_s)
+        nxt = info.next_stall if info is not None else None
+        if nxt is None and self.policy.uses_events:
+            return
+        if not self.opts.offload and not self.policy.uses_events:
+            return
+        agent_type = info.agent_type if info is not None else ""
+        predicted, tool = 0.0, None
+        if nxt is not None:
+            predicted = self.forecaster.predict(agent_type, nxt.tool, nxt.predicted_s).seconds
+            tool = nxt.tool
         chain = self._chain(hashes)
-        decision = self.gate.decide(self._gate_input(chain, fc.seconds, 0.0, True, now))
-        self.stats.inc(f"early_save.decision.{decision.reason}")
-        if not decision.offload:
+        session_id = info.session_id if info is not None else ""
+        view = self._view(
+            chain,
+            predicted,
+            0.0,
+            True,
+            now,
+            session_id=session_id,
+            agent_type=agent_type,
+            tool=tool,
+            at_finish=True,
+            announced=nxt is not None,
+        )
+        plan = self.policy.on_finished(view)
+        if plan.action == "offload" and not self.opts.offload:
+            plan = Plan("none", "disabled")
+        self.stats.inc(f"early_save.decision.{plan.reason}")
+        self._count_plan("finish", plan)
+        if plan.action == "keep" and session_id:
+            self._keep(session_id, chain, now + plan.keep_s, now)
+            return
+        # "discard" needs idle blocks: the request still holds them; the stall applies it.
+        if plan.action != "offload":
             return
         try:
-            job = self._plan_offload(chain, stall_id=None, session_id=info.session_id)
+            job = self._plan_offload(chain, stall_id=None, session_id=session_id)
         except HostPoolExhausted:
             self.stats.inc("early_save.host_pool_full")
             return
         if job is not None:
             self.stats.inc("early_save.jobs")
             self.stats.inc("early_save.blocks", len(job.hashes))
+
+    # ---- keep (a policy holds a session's device blocks)
+    def _keep(self, session_id: str, chain: list, until: float, now: float) -> None:
+        """Hold the chain's device blocks until ``until`` (or the session's next admission)."""
+        assert self.pool is not None
+        held = self._kept.get(session_id)
+        if held is not None:
+            held.until = max(held.until, until)
+            return
+        blocks = [dev for _i, _h, dev, _s in chain if dev is not None]
+        if not blocks:
+            return
+        bp.pin(self.pool, blocks)
+        self._kept[session_id] = _Keep(session_id, blocks, until, now)
+        self.stats.inc("keep.sessions")
+        self.stats.inc("keep.blocks", len(blocks))
+
+    def _unkeep(self, session_id: str, why: str) -> None:
+        held = self._kept.pop(session_id, None)
+        if held is None:
+            return
+        if self.pool is not None:
+            bp.release(self.pool, held.blocks)
+        self.stats.inc(f"keep.released.{why}")
+        self.stats.observe("keep.held_s", max(self.clock() - held.since, 0.0))
+
+    def _tick_keeps(self, now: float) -> None:
+        """Expired TTLs; and when requests wait while the engine computed nothing this step, the
+        keep with the earliest deadline goes (a pin must never stop every request from running)."""
+        for sid, held in list(self._kept.items()):
+            if held.until <= now:
+                self._unkeep(sid, "ttl")
+        stuck = self._last_step is not None and self._last_step[1] == 0 and bool(self._waiting)
+        if stuck and self._kept:
+            first = min(self._kept.values(), key=lambda k: k.until)
+            self._unkeep(first.session_id, "pressure")
 
     # ---- demand load
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
@@ -552,6 +692,13 @@ class SchedulerSide:
     ) -> None:
         req_id = request.request_id
         self._waiting.pop(req_id, None)
+        arrived = self._arrival.pop(req_id, None)
+        if arrived is not None:
+            self.policy.observe_queue_delay(max(self.clock() - arrived, 0.0))
+        info = self._reqs.get(req_id)
+        if info is not None and info.session_id in self._kept:
+            # Admitted: the request now holds the prefix blocks it hit; the keep has done its job.
+            self._unkeep(info.session_id, "admitted")
         pending = self._pending_load.pop(req_id, None)
         local = self._local_hit.pop(req_id, 0)
         self._usa_req, self._usa_first = req_id, (pending[0] if pending else local // self.block_size)
@@ -677,6 +824,8 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
         self._generation += 1
+        for sid in list(self._kept):
+            self._unkeep(sid, "reset")
         dropped = self.host.reset()
         self._filling.clear()
         self._demoted.clear()
@@ -690,6 +839,9 @@ class SchedulerSide:
             self._next_sweep = now + 1.0
             self.sessions.sweep(now)
         self._drain(now)
+        if self._kept:
+            self._tick_keeps(now)
+        self.profile.maybe_save(self._bandwidths())
         for stall in list(self._stalls.values()):
             try:
                 self._tick_stall(stall, now)
@@ -764,7 +916,11 @@ class SchedulerSide:
                 return
             self._forget_active(stall)
             stall.ended_at = tr.at
+            held = self._kept.get(stall.session_id)
+            if held is not None:
+                held.until = min(held.until, tr.at + self.opts.keep_after_end_s)
             if isinstance(ev, StallEnd):
+                self.policy.observe_stall_end(f"{stall.agent_type}/{stall.tool}", ev.duration_s)
                 self.forecaster.observe(stall.agent_type, stall.tool, ev.duration_s, stall.predicted_s)
                 self.stats.observe("forecast.error_s", stall.predicted_s - ev.duration_s)
                 # The stall as the server saw it minus as the client timed it: event delivery lag.
@@ -801,23 +957,43 @@ class SchedulerSide:
         if self.pool is None:
             return
         chain = self._chain(stall.hashes)
-        decision = self.gate.decide(
-            self._gate_input(chain, stall.predicted_s, max(0.0, now - stall.begin_at), stall.known, now)
+        view = self._view(
+            chain,
+            stall.predicted_s,
+            max(0.0, now - stall.begin_at),
+            stall.known,
+            now,
+            session_id=stall.session_id,
+            agent_type=stall.agent_type,
+            tool=stall.tool,
+            at_finish=False,
+            announced=False,
         )
+        plan = self.policy.on_stall(view)
+        if plan.action == "offload" and not self.opts.offload:
+            plan = Plan("none", "disabled")
         first = stall.decision is None
-        if not first and decision.reason == "no_blocks":
+        if not first and plan.reason == "no_blocks":
             # The blocks were evicted while we waited for pressure or room: keep the reason we were
             # waiting for (that is why nothing was offloaded) and stop asking.
             self.stats.inc(f"stalls.lost_while_waiting.{stall.decision}")
             stall.next_eval = float("inf")
             return
-        stall.decision = decision.reason
+        stall.decision = plan.reason
         if first:
-            self.stats.inc(f"stalls.decision.{decision.reason}")
-        self.sessions.set_decision(stall.stall_id, decision.reason)
-        if not decision.offload:
-            stall.next_eval = now + self.opts.reevaluate_s if decision.retryable else float("inf")
+            self.stats.inc(f"stalls.decision.{plan.reason}")
+            self._count_plan("stall", plan)
+        self.sessions.set_decision(stall.stall_id, plan.reason)
+        if plan.action == "keep":
+            self._keep(stall.session_id, chain, now + plan.keep_s, now)
+        elif plan.action == "discard" and self.demote_enabled:
+            # Nothing is copied: the idle device blocks are the first to go (tail first).
+            moved = bp.reorder(self.pool, self._chain_blocks(stall, on_host_only=False), first=True)
+            self.stats.inc("evict_order.discarded_blocks", moved)
+        if plan.action != "offload":
+            stall.next_eval = now + self.opts.reevaluate_s if plan.retry else float("inf")
             return
+        stall.evict_first = plan.evict_first
         try:
             self._plan_offload(chain, stall_id=stall.stall_id, session_id=stall.session_id)
         except HostPoolExhausted:
@@ -842,6 +1018,7 @@ class SchedulerSide:
             key=f"{stall.agent_type}/{stall.tool}",
             wait_s=self._step_wait_s(),
             now=stall.begin_at,
+            mode=plan.prefetch,
         )
         if not first:
             self.stats.inc("stalls.offload_after_retry")
@@ -859,7 +1036,9 @@ class SchedulerSide:
         if last is not None and last[1] > 0 and n > 0:
             # Both steps ran work: the gap is how long that step took (an idle engine's gaps
             # would say nothing about how soon it acts on a copy).
-            self._step_gaps.append(min(max(t - last[0], 0.0), 60.0))
+            gap = min(max(t - last[0], 0.0), 60.0)
+            self._step_gaps.append(gap)
+            self.profile.observe_step(last[1], gap)
         self._last_step = (t, n)
 
     def _step_wait_s(self) -> float:
@@ -937,6 +1116,8 @@ class SchedulerSide:
         copy move.
         """
         if not self.demote_enabled or self.pool is None or stall.stall_id not in self._stalls:
+            return
+        if not stall.evict_first:
             return
         self._demoted.add(stall.stall_id)
         order = sorted(
@@ -1254,7 +1435,11 @@ class SchedulerSide:
     def _update_wake_at(self) -> None:
         due = []
         if self.prefetch_enabled:
-            due = [p.due_at for p in self.planner.open_stalls() if p.state == "waiting"]
+            due = [
+                p.due_at
+                for p in self.planner.open_stalls()
+                if p.state == "waiting" and math.isfinite(p.due_at)
+            ]
         # Retryable gate decisions are not timed: while the engine idles nothing changes for them.
         with self._lock:
             self._wake_at = min(due, default=None)
@@ -1276,10 +1461,13 @@ class SchedulerSide:
             "last_eviction_risk": None if self._last_risk is None else round(self._last_risk, 4),
             "alloc_blocks_per_s": round(self._alloc_rate(self.clock()), 3),
             "step_wait_s": round(self._step_wait_s(), 4),
+            "kept_sessions": len(self._kept),
+            "kept_blocks": sum(len(k.blocks) for k in self._kept.values()),
         }
 
     def _config_stats(self) -> dict[str, Any]:
         return {
+            "policy": self.policy.name,
             "offload": self.opts.offload,
             "prefetch": self.opts.prefetch,
             "demand_load": self.opts.demand_load,
@@ -1288,10 +1476,17 @@ class SchedulerSide:
             "host_pool_blocks": self.host.num_blocks,
         }
 
+    def _bandwidths(self) -> dict[str, float]:
+        t = self.transfer.stats()
+        return {"d2h": t["d2h_bytes_per_s"], "h2d": t["h2d_bytes_per_s"]}
+
     def shutdown(self) -> None:
         for job in list(self._jobs.values()):
             self._release(job)
         self._jobs.clear()
+        for sid in list(self._kept):
+            self._unkeep(sid, "shutdown")
+        self.profile.maybe_save(self._bandwidths(), force=True)
 
 
 __all__ = ["READINESS", "Options", "SchedulerSide", "request_meta"]
