@@ -32,6 +32,7 @@ class FakeVLLM:
         self.stats = stats
         self.ext_counters: dict[str, float] = {}
         self.bodies: list[dict[str, Any]] = []
+        self.warmups = 0
         self.c = {
             "prompt": 0.0,
             "computed": 0.0,
@@ -76,7 +77,12 @@ class FakeVLLM:
         )
 
     def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.bodies.append(body)
+        from tokencake.bench.runner import WARMUP_PROMPT
+
+        if body["messages"][-1].get("content") == WARMUP_PROMPT:
+            self.warmups += 1  # the runner's discarded warm-up request: not part of the workload
+        else:
+            self.bodies.append(body)
         prompt = sum(len(str(m.get("content") or "").split()) for m in body["messages"])
         max_tokens = int(body.get("max_tokens") or 16)
         completion = max_tokens if body.get("ignore_eos") else max(1, max_tokens // 2)
@@ -202,7 +208,7 @@ def _system(e2e_s: float, computed: float, ext: dict[str, Any] | None) -> dict[s
     from tokencake.bench.metrics import summarize
 
     return {
-        "apps": [{"status": "ok", "e2e_s": e2e_s}],
+        "apps": [{"status": "ok", "e2e_s": e2e_s, "run_id": "app-0"}],
         "client": {"e2e_s": summarize([e2e_s])},
         "server": {"computed_prompt_tokens": computed},
         "extension": {"summary": ext} if ext is not None else None,

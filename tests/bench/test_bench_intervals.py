@@ -34,3 +34,19 @@ def test_mean_ci_skips_missing_rounds_and_needs_two():
     assert mean_ci([])["mean"] is None
     flat = mean_ci([1.0, 1.0, 1.0])
     assert flat["ci95"] == [1.0, 1.0]
+
+
+def test_paired_bootstrap_ratio_of_means_and_interval():
+    from tokencake.bench.intervals import paired_ratio_bootstrap
+
+    pairs = [(50.0, 100.0), (60.0, 110.0), (45.0, 95.0), (55.0, 105.0)]
+    out = paired_ratio_bootstrap(pairs, resamples=500, seed=1)
+    assert out["n_pairs"] == 4 and out["resamples"] == 500
+    assert out["ratio"] == pytest.approx(210 / 410)
+    lo, hi = out["ci95"]
+    assert lo <= out["ratio"] <= hi and hi - lo < 0.1
+    # Same seed, same interval; too few pairs, no interval.
+    assert paired_ratio_bootstrap(pairs, resamples=500, seed=1) == out
+    two = paired_ratio_bootstrap(pairs[:2])
+    assert two["ratio"] == pytest.approx(110 / 210) and two["ci95"] is None
+    assert paired_ratio_bootstrap([])["ratio"] is None

@@ -110,3 +110,12 @@ def test_points_subset():
     assert [p.label for p in cfg.points] == ["shared"]
     with pytest.raises(ValueError, match="unknown stress point"):
         presets.build("stress", Overrides(points=["nope"]))
+
+
+def test_headline_presets_default_to_five_interleaved_rounds():
+    from tokencake.bench import presets
+
+    assert presets.build("stress").repeat == 5
+    assert presets.build("headroom").repeat == 5
+    assert presets.build("ci").repeat == 1
+    assert presets.build("stress", presets.Overrides(repeat=2)).repeat == 2

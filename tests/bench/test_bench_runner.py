@@ -81,6 +81,9 @@ def test_full_run_produces_valid_results_and_files(fake_server, fake_vllm, tmp_p
         assert s["server"]["requests"] == 6
     sent = servers["baseline"].backend.bodies
     assert all(b["ignore_eos"] is True and b["temperature"] == 0.0 for b in sent)
+    # Each fresh server got one discarded warm-up request before the measured replay.
+    assert [s.backend.warmups for s in servers.values()] == [1] * 4
+    assert all(point["systems"][n]["warmup_s"] is not None for n in servers)
 
     base, tc_, ideal = (
         point["systems"][n]["server"]["computed_prompt_tokens"] for n in ("baseline", "tokencake", "ideal")
@@ -254,6 +257,7 @@ def test_stress_preset_replays_both_points_on_fake_servers(fake_server, fake_vll
         tool_s=(0.01, 0.01),
         rates=[50.0],
         latency="scaled:0.01",
+        repeat=1,
     )
     results = _run(fake_server, presets.build("stress", o), tmp_path)
     jsonschema.validate(results, RESULTS_SCHEMA)
@@ -337,3 +341,62 @@ def test_results_record_the_commit_its_dirtiness_and_the_load(tmp_path, monkeypa
     # Outside a git checkout: None, not a crash.
     monkeypatch.setattr(runner, "_git", lambda *a: None)
     assert runner._git_dirty() is None and runner._git_commit() is None
+
+
+def test_aggregate_pairs_apps_across_systems_with_a_bootstrap_interval(make_round):
+    rounds = [
+        make_round(i + 1, baseline=b, tokencake=t, offload_all=o, continuum=c)
+        for i, (b, t, o, c) in enumerate(
+            [(20.0, 10.0, 14.0, 19.0), (22.0, 11.0, 15.0, 21.0), (21.0, 12.0, 13.0, 20.0)]
+        )
+    ]
+    paired = aggregate(rounds)["p"]["paired"]
+    tb = paired["tokencake/baseline"]
+    assert tb["n_pairs"] == 3 and tb["ratio"] == pytest.approx(33 / 63)
+    lo, hi = tb["ci95"]
+    assert lo <= tb["ratio"] <= hi
+    assert paired["tokencake/offload-all"]["ratio"] == pytest.approx(33 / 42)
+    assert paired["tokencake/continuum"]["ratio"] == pytest.approx(33 / 60)
+    assert "tokencake/ideal" not in paired  # no ideal ran
+
+
+def test_app_pairs_match_by_run_id_and_skip_failures():
+    from tokencake.bench.runner import app_pairs
+
+    def sys_(apps):
+        return {"apps": [{"run_id": r, "status": s, "e2e_s": e} for r, s, e in apps]}
+
+    point = {
+        "systems": {
+            "a": sys_([("x", "ok", 1.0), ("y", "ok", 2.0), ("z", "failed", 3.0)]),
+            "b": sys_([("y", "ok", 4.0), ("x", "ok", 5.0), ("z", "ok", 6.0)]),
+        }
+    }
+    assert sorted(app_pairs([point], "a", "b")) == [(1.0, 5.0), (2.0, 4.0)]
+    assert app_pairs([point], "a", "missing") == []
+
+
+def test_memory_per_system_counts_device_and_host_kv():
+    from tokencake.bench.runner import BenchConfig, _fill_block_bytes, memory_of
+    from tokencake.bench.systems import ServerConfig, resolve_systems
+
+    base, tc_ = resolve_systems(["baseline", "tokencake"])
+    config = BenchConfig(preset="x", points=[], systems=[base, tc_], server=ServerConfig(device_blocks=40))
+    ext = {
+        "after": {"engine": {"device_blocks": 40, "block_bytes": 1000}, "config": {"host_pool_blocks": 100}}
+    }
+    per = {
+        "baseline": {"memory": memory_of(base, config, {"extension": None})},
+        "tokencake": {"memory": memory_of(tc_, config, {"extension": ext})},
+    }
+    assert per["tokencake"]["memory"]["total_bytes"] == 140_000
+    assert per["baseline"]["memory"]["device_bytes"] is None  # stock vLLM does not report its block size
+    _fill_block_bytes(per)
+    assert per["baseline"]["memory"] == {
+        "device_blocks": 40,
+        "host_blocks": 0,
+        "block_bytes": 1000,
+        "device_bytes": 40_000,
+        "host_bytes": 0,
+        "total_bytes": 40_000,
+    }

@@ -79,3 +79,41 @@ def mean_ci(values: Iterable[float | None]) -> dict[str, Any]:
     half = t_critical(n - 1) * sd / math.sqrt(n)
     out.update(sd=sd, half_width=half, ci95=[mean - half, mean + half])
     return out
+
+
+def paired_ratio_bootstrap(
+    pairs: list[tuple[float, float]], *, resamples: int = 2000, seed: int = 0
+) -> dict[str, Any]:
+    """Ratio of means ``Σa / Σb`` over paired observations with a percentile bootstrap 95 % interval.
+
+    A pair is the same app (same run id, same round) measured on two systems, so machine drift
+    between rounds cancels inside each pair; resampling pairs with replacement keeps that pairing.
+    The interval is None with fewer than 3 pairs (a bootstrap of two points says nothing).
+    """
+    import random
+
+    data = [(float(a), float(b)) for a, b in pairs if math.isfinite(a) and math.isfinite(b)]
+    n = len(data)
+    out: dict[str, Any] = {"n_pairs": n, "ratio": None, "ci95": None, "resamples": 0}
+    total_b = sum(b for _a, b in data)
+    if not n or total_b <= 0:
+        return out
+    out["ratio"] = sum(a for a, _b in data) / total_b
+    if n < 3:
+        return out
+    rng = random.Random(seed)
+    stats: list[float] = []
+    for _ in range(resamples):
+        sa = sb = 0.0
+        for _i in range(n):
+            a, b = data[rng.randrange(n)]
+            sa += a
+            sb += b
+        if sb > 0:
+            stats.append(sa / sb)
+    stats.sort()
+    if stats:
+        lo = stats[int(0.025 * (len(stats) - 1))]
+        hi = stats[math.ceil(0.975 * (len(stats) - 1))]
+        out.update(ci95=[lo, hi], resamples=len(stats))
+    return out

@@ -67,9 +67,11 @@ class Overrides:
     ideal_blocks: int | None = None
     host_pool_blocks: int | None = None
     kv_interval_s: float | None = None
-    repeat: int = 1
+    #: Interleaved rounds; None = the preset's default (:data:`HEADLINE_REPEAT` for headline presets).
+    repeat: int | None = None
     #: Keep the configured system order in every round (default: a seeded shuffle per round).
     fixed_order: bool = False
+    warmup: bool = True
     #: Worker agents per app (``stress``).
     workers: int | None = None
     #: Subset of the preset's point labels (``stress``: ``hetero``, ``shared``); None = all.
@@ -77,6 +79,11 @@ class Overrides:
     #: App name -> weight; replaces the preset's app mix (catalog names or a synthetic app).
     mix: dict[str, float] | None = None
     extra_server_args: list[str] = field(default_factory=list)
+
+
+#: Rounds by default for the presets whose numbers are quoted as headlines (issue 10: ≥ 5 rounds, so
+#: the intervals are not dominated by the t factor of 2 degrees of freedom).
+HEADLINE_REPEAT = {"headroom": 5, "stress": 5}
 
 
 def _pick(value, default):
@@ -101,8 +108,9 @@ def _config(
         server=server,
         kv_interval_s=_pick(o.kv_interval_s, kv_interval_s),
         app_timeout_s=app_timeout_s,
-        repeat=o.repeat,
+        repeat=_pick(o.repeat, HEADLINE_REPEAT.get(preset, 1)),
         shuffle_systems=not o.fixed_order,
+        warmup=o.warmup,
         order_seed=o.seed,
         description=description,
     )

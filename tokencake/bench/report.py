@@ -145,6 +145,11 @@ _TABLE_ROWS: tuple[tuple[str, tuple[str, ...], str, float], ...] = (
     ("preemptions", ("server", "preemptions"), ".0f", 1.0),
     ("KV usage mean", ("kv", "mean"), ".0%", 1.0),
     ("KV usage max", ("kv", "max"), ".0%", 1.0),
+    ("KV in use mean (blocks)", ("kv", "mean_blocks"), ".1f", 1.0),
+    ("KV in use max (blocks)", ("kv", "max_blocks"), ".0f", 1.0),
+    ("device KV (blocks)", ("memory", "device_blocks"), ".0f", 1.0),
+    ("host KV pool (blocks)", ("memory", "host_blocks"), ".0f", 1.0),
+    ("device + host KV (MiB)", ("memory", "total_bytes"), ",.0f", 2**-20),
     ("offloaded MB", ("extension", "summary", "offload_bytes"), ".1f", 1e-6),
     ("uploaded MB", ("extension", "summary", "upload_bytes"), ".1f", 1e-6),
     ("prefetch on-time", ("extension", "summary", "prefetch_on_time"), ".0f", 1.0),
@@ -203,6 +208,16 @@ def interval_cells(entry: Mapping[str, Any], spec: str) -> tuple[str, str, str]:
     ci = entry.get("ci95")
     interval = f"[{_fmt(ci[0], spec)}, {_fmt(ci[1], spec)}]" if ci else "— (needs 2 rounds)"
     return per_round, _fmt(entry.get("mean"), spec), interval
+
+
+def paired_cells(paired: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(pair, "n | ratio | [low, high]")`` of the paired-bootstrap headlines, in headline order."""
+    out = []
+    for key, entry in paired.items():
+        ci = entry.get("ci95")
+        interval = f"[{_fmt(ci[0], '.3f')}, {_fmt(ci[1], '.3f')}]" if ci else "— (needs 3 pairs)"
+        out.append((key, f"{entry.get('n_pairs', 0)} | {_fmt(entry.get('ratio'), '.3f')} | {interval}"))
+    return out
 
 
 def _point_headlines(comp: Mapping[str, Any]) -> list[str]:
@@ -289,7 +304,8 @@ def render(results: Mapping[str, Any], console: Console | None = None) -> None:
                 Panel(
                     f"[bold]EQUAL-WORK CHECK FAILED[/] — {ew['output_token_mismatch_count']} call(s) "
                     f"with different output token counts, {ew['missing_call_count']} call(s) missing "
-                    "in some system.\n"
+                    f"in some system, {ew.get('unexplained_prompt_mismatch_count', 0)} unexplained "
+                    "prompt-token mismatch(es).\n"
                     "The systems did not do the same work: these latency numbers are INVALID.",
                     style="bold red",
                 )
@@ -323,6 +339,10 @@ def render(results: Mapping[str, Any], console: Console | None = None) -> None:
             if key in rounds:
                 per_round, mean, interval = interval_cells(rounds[key], spec)
                 lines.append(f"  {label}: {per_round} → {mean} {interval}")
+        paired = agg.get("paired") or {}
+        if paired:
+            lines.append("  paired by app → ratio of mean E2E [bootstrap 95 % CI]:")
+            lines += [f"  {key}: {cells.replace(' | ', ' · ')}" for key, cells in paired_cells(paired)]
         console.print("\n".join(lines))
     for warning in results.get("warnings", []):
         console.print(f"[yellow]warning:[/] {warning}")
@@ -397,6 +417,17 @@ def markdown(results: Mapping[str, Any]) -> str:
             if key in rounds:
                 out.append(f"| {label} | " + " | ".join(interval_cells(rounds[key], spec)) + " |")
         out.append("")
+        paired = agg.get("paired") or {}
+        if paired:
+            out += [
+                "Paired by app (same run id, same round), ratio of mean E2E with a percentile bootstrap "
+                "95 % interval:",
+                "",
+                "| ratio | apps paired | ratio of means | bootstrap 95 % CI |",
+                "|---|---|---|---|",
+            ]
+            out += [f"| {key} | {cells} |" for key, cells in paired_cells(paired)]
+            out.append("")
     for warning in results.get("warnings", []):
         out.append(f"> warning: {warning}")
     return "\n".join(out).rstrip() + "\n"

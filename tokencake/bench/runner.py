@@ -10,6 +10,7 @@ nothing here formats output.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -26,7 +27,7 @@ import httpx
 
 from tokencake.bench import apps as _apps
 from tokencake.bench.calls import CallRecorder
-from tokencake.bench.intervals import mean_ci
+from tokencake.bench.intervals import mean_ci, paired_ratio_bootstrap
 from tokencake.bench.metrics import (
     KVSampler,
     client_summary,
@@ -64,6 +65,8 @@ class BenchConfig:
     llm_timeout_s: float = 600.0
     #: Interleaved repetitions: every system runs every point once per round, round after round.
     repeat: int = 1
+    #: One discarded chat completion per system before its replay (see :func:`replay`).
+    warmup: bool = True
     #: Run the systems of each round in a seeded random order (:func:`system_order`), so that drift
     #: of the machine over a long run (thermal, page cache, other load) does not always favour the
     #: same system; False keeps the configured order.
@@ -83,6 +86,7 @@ class BenchConfig:
             "app_timeout_s": self.app_timeout_s,
             "llm_timeout_s": self.llm_timeout_s,
             "repeat": self.repeat,
+            "warmup": self.warmup,
             "shuffle_systems": self.shuffle_systems,
             "order_seed": self.order_seed,
             "points": [p.label for p in self.points],
@@ -128,6 +132,29 @@ def _node_timings(result: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+WARMUP_PROMPT = "Warm-up request, not part of the benchmark. Reply with one word."
+
+
+async def _warmup(client: httpx.AsyncClient, base_url: str, model: str | None) -> float | None:
+    """One discarded chat completion; seconds it took, None when it failed (never fatal)."""
+    t = time.time()
+    try:
+        if model is None:
+            listed = (await client.get(f"{base_url.rstrip('/')}/models")).json()
+            model = listed["data"][0]["id"]
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": WARMUP_PROMPT}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        response = await client.post(f"{base_url.rstrip('/')}/chat/completions", json=body, timeout=120.0)
+        response.raise_for_status()
+    except Exception:
+        return None
+    return round(time.time() - t, 3)
+
+
 async def _get_json(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
     try:
         response = await client.get(url, timeout=10.0)
@@ -153,10 +180,13 @@ async def replay(
     build_app: Callable[..., Any] = _apps.build,
     llm_factory: Callable[..., Any] | None = None,
     transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
+    warmup: bool = True,
 ) -> dict[str, Any]:
     """Run every arrival of ``workload`` against one running server; returns the raw measurements.
 
     ``transport`` makes the HTTP transports (tests pass an ``httpx.MockTransport`` factory).
+    ``warmup`` sends one short, unrelated chat completion first and discards it (a fresh server's
+    first request pays one-time costs; its prompt shares no prefix with the workload's).
     """
     import tokencake as tc
 
@@ -176,6 +206,7 @@ async def replay(
             return response.text
 
         stats_url = f"{events_url.rstrip('/')}{STATS_PATH}" if (events_url and not stock) else None
+        warmup_s = await _warmup(probe, base_url, model) if warmup else None
         metrics_before = parse_prometheus(await fetch_metrics())
         stats_before = await _get_json(probe, stats_url) if stats_url else None
 
@@ -259,6 +290,7 @@ async def replay(
     apps.sort(key=lambda a: a["index"])
     return {
         "replay_s": round(replay_s, 3),
+        "warmup_s": warmup_s,
         "apps": apps,
         "calls": calls,
         "client": client_summary(apps, calls),
@@ -388,8 +420,78 @@ def aggregate(points: list[dict[str, Any]]) -> dict[str, Any]:
                 (p["comparison"].get("tokencake/baseline") or {}).get("mean") for p in rounds
             ],
             "rounds": per_round_intervals(rounds),
+            "paired": paired_intervals(rounds),
         }
     return out
+
+
+def app_pairs(rounds: list[dict[str, Any]], a: str, b: str) -> list[tuple[float, float]]:
+    """(E2E on ``a``, E2E on ``b``) of every app that finished on both, matched by round and run id."""
+    out: list[tuple[float, float]] = []
+    for p in rounds:
+        sa, sb = p["systems"].get(a), p["systems"].get(b)
+        if not sa or not sb:
+            continue
+        on_b = {x.get("run_id"): x["e2e_s"] for x in sb["apps"] if x.get("status") == "ok"}
+        for x in sa["apps"]:
+            if x.get("status") == "ok" and x.get("run_id") in on_b:
+                out.append((x["e2e_s"], on_b[x["run_id"]]))
+    return out
+
+
+def paired_intervals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every headline pair's ratio of mean E2E over paired apps, with a bootstrap 95 % interval."""
+    out: dict[str, Any] = {}
+    for a, b in HEADLINE_PAIRS:
+        pairs = app_pairs(rounds, a, b)
+        if pairs:
+            out[f"{a}/{b}"] = paired_ratio_bootstrap(pairs, seed=hash_seed(f"{a}/{b}"))
+    return out
+
+
+def hash_seed(text: str) -> int:
+    """A stable seed from a string (``hash`` is salted per process)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+
+
+def memory_of(spec: SystemSpec, config: BenchConfig, data: Mapping[str, Any]) -> dict[str, Any]:
+    """Device and host KV of one system, in blocks and (where the block size is known) bytes.
+
+    On the CPU backend device and host are the same DRAM: a system with a host pool holds
+    device + host bytes of KV, which is why stock vLLM with the same *total* is the ideal here.
+    """
+    after = (data.get("extension") or {}).get("after") or {}
+    engine, cfg = after.get("engine") or {}, after.get("config") or {}
+    device = engine.get("device_blocks") or config.server.blocks_for(spec)
+    host = 0 if spec.stock else cfg.get("host_pool_blocks")
+    block_bytes = engine.get("block_bytes")
+    return {
+        "device_blocks": device,
+        "host_blocks": host,
+        "block_bytes": block_bytes,
+        "device_bytes": device * block_bytes if device and block_bytes else None,
+        "host_bytes": host * block_bytes if host is not None and block_bytes else None,
+        "total_bytes": (device + (host or 0)) * block_bytes if device and block_bytes else None,
+    }
+
+
+def _fill_block_bytes(per_system: dict[str, Any]) -> None:
+    """Stock systems do not report their block size: take it from an extension system of the point."""
+    known = next(
+        (s["memory"]["block_bytes"] for s in per_system.values() if s["memory"]["block_bytes"]), None
+    )
+    if not known:
+        return
+    for s in per_system.values():
+        mem = s["memory"]
+        if not mem["block_bytes"]:
+            mem["block_bytes"] = known
+            if mem["device_blocks"]:
+                mem["device_bytes"] = mem["device_blocks"] * known
+            if mem["host_blocks"] is not None:
+                mem["host_bytes"] = mem["host_blocks"] * known
+            if mem["device_blocks"]:
+                mem["total_bytes"] = (mem["device_blocks"] + (mem["host_blocks"] or 0)) * known
 
 
 def per_round_intervals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -575,16 +677,23 @@ def run_bench(
             data["system"] = spec.to_dict()
             data["num_gpu_blocks"] = config.server.blocks_for(spec)
             data["server_start_s"] = round(boot_s, 3)
+            data["memory"] = memory_of(spec, config, data)
+            kv = data.get("kv") or {}
+            blocks = data["memory"]["device_blocks"]
+            for stat in ("mean", "max"):
+                if blocks and isinstance(kv.get(stat), int | float):
+                    kv[f"{stat}_blocks"] = kv[stat] * blocks
             progress.system_done(label, spec.name, data["replay_s"])
             per_system[spec.name] = data
         # Tables list the systems in the configured order, whatever order they ran in.
         per_system = {s.name: per_system[s.name] for s in config.systems if s.name in per_system}
+        _fill_block_bytes(per_system)
         check = equal_work({name: s["calls"] for name, s in per_system.items()})
         if not check.ok:
             warnings.append(
                 f"[{label}] EQUAL-WORK CHECK FAILED: {len(check.mismatched)} call(s) with "
-                f"different output token counts, {len(check.missing)} call(s) missing in some system — "
-                "results are INVALID"
+                f"different output token counts, {len(check.missing)} call(s) missing in some system, "
+                f"{len(check.prompt_unexplained)} unexplained prompt-token mismatch(es) — results are INVALID"
             )
         failed = {n: s["client"]["apps_failed"] for n, s in per_system.items() if s["client"]["apps_failed"]}
         if failed:
@@ -658,4 +767,5 @@ async def _replay_on(
         on_app_done=on_app_done,
         build_app=build_app,
         transport=transport,
+        warmup=config.warmup,
     )

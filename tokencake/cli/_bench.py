@@ -41,7 +41,9 @@ def register(subparsers: Any) -> None:
         "--systems",
         help=(
             "comma-separated: baseline,tokencake,ideal (default), prefetch-off (= offload-only), "
-            "demand-off, tokencake-roomy (extension with the ideal's KV: its cost without pressure)"
+            "demand-off, tokencake-roomy (extension with the ideal's KV: its cost without pressure), "
+            "baseline-priority, ideal-priority, and the other KV policies in the same server: "
+            "offload-all, continuum, infercept, stock-connector"
         ),
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -77,13 +79,18 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--repeat",
         type=int,
-        default=1,
-        help="interleaved rounds: every system runs every point once per round, in a seeded random order",
+        help="interleaved rounds: every system runs every point once per round, in a seeded random order "
+        "(default 5 for headroom and stress, whose numbers are headlines; 1 otherwise)",
     )
     p.add_argument(
         "--fixed-order",
         action="store_true",
         help="run the systems in the --systems order in every round instead of a seeded shuffle",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the discarded warm-up request each fresh server gets before its replay",
     )
     o = p.add_argument_group("output")
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -150,6 +157,7 @@ def overrides_from(args: argparse.Namespace) -> Any:
         kv_interval_s=args.kv_interval,
         repeat=args.repeat,
         fixed_order=args.fixed_order,
+        warmup=not args.no_warmup,
         workers=args.workers,
         points=[x.strip() for x in args.points.split(",") if x.strip()] if args.points else None,
         mix=_mix(args.mix),
@@ -200,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
             report.write_all(results, path.parent, plots=True)
         return 0 if results.get("valid") else 1
 
-    if args.repeat < 1:
+    if args.repeat is not None and args.repeat < 1:
         raise CLIError("--repeat must be >= 1")
     try:
         config = presets.build(args.preset, overrides_from(args))

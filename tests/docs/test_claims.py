@@ -1,0 +1,57 @@
+"""Every number README and docs quote from a benchmark is the one its stored results.json holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokencake.bench.claims import ClaimError, claims, main, render
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_quoted_numbers_match_their_stored_results(path: Path) -> None:
+    text = path.read_text()
+    assert render(text, where=path.name) == text, (
+        f"{path.name}: a quoted number differs from its results.json; "
+        f"run `python -m tokencake.bench.claims --write {path.relative_to(ROOT)}`"
+    )
+
+
+def test_the_readme_headline_is_backed() -> None:
+    quoted = claims((ROOT / "README.md").read_text())
+    assert len(quoted) >= 2
+    assert all((ROOT / "docs" / "bench" / f).is_file() for f, *_ in quoted)
+
+
+def test_render_formats_and_errors(tmp_path: Path) -> None:
+    (tmp_path / "r.json").write_text(
+        json.dumps({"a": {"x/y": {"mean": 0.5, "ci95": [0.25, 0.75]}, "n": 1234.5, "c": "abcdef0123"}})
+    )
+    text = (
+        "<!--bench r.json a|x/y ci2-->old<!--/bench--> <!--bench r.json a|x/y ci%-->old<!--/bench--> "
+        "<!--bench r.json a|n ,.0f-->old<!--/bench--> <!--bench r.json a|c .7s-->old<!--/bench-->"
+    )
+    out = render(text, tmp_path)
+    assert [v for *_x, v in claims(out)] == ["0.50 [0.25, 0.75]", "50 % [25 %, 75 %]", "1,234", "abcdef0"]
+    with pytest.raises(ClaimError, match="does not resolve"):
+        render("<!--bench r.json a|missing .2f-->1<!--/bench-->", tmp_path)
+    with pytest.raises(ClaimError, match="not found"):
+        render("<!--bench nope.json a .2f-->1<!--/bench-->", tmp_path)
+
+
+def test_check_and_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tokencake.bench.claims as mod
+
+    (tmp_path / "r.json").write_text(json.dumps({"v": 2.0}))
+    monkeypatch.setattr(mod, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(mod, "render", lambda text, where="": render(text, tmp_path, where=where))
+    doc = tmp_path / "d.md"
+    doc.write_text("x <!--bench r.json v .1f-->1.0<!--/bench-->")
+    assert main([str(doc)]) == 1
+    assert main(["--write", str(doc)]) == 0
+    assert "2.0<!--/bench-->" in doc.read_text() and main(["--check", str(doc)]) == 0
