@@ -17,7 +17,7 @@ simulator drive the very same objects. ``docs/policy.md`` compares them.
 from __future__ import annotations
 
 from tokencake.serving.gate import OffloadGate
-from tokencake.serving.policies._base import Action, KVPolicy, Plan, PolicyView, PrefetchMode
+from tokencake.serving.policies._base import Action, EventPolicy, KVPolicy, Plan, PolicyView, PrefetchMode
 from tokencake.serving.policies.continuum import ContinuumPolicy
 from tokencake.serving.policies.infercept import InferceptPolicy
 from tokencake.serving.policies.offload_all import OffloadAllPolicy
@@ -52,6 +52,7 @@ __all__ = [
     "POLICY_NAMES",
     "Action",
     "ContinuumPolicy",
+    "EventPolicy",
     "InferceptPolicy",
     "KVPolicy",
     "OffloadAllPolicy",

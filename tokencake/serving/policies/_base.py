@@ -30,7 +30,7 @@ from tokencake.serving.gate import GateInput
 Action = Literal["offload", "keep", "discard", "none"]
 PrefetchMode = Literal["predictive", "at_end", "none"]
 
-__all__ = ["Action", "KVPolicy", "Plan", "PolicyView", "PrefetchMode"]
+__all__ = ["Action", "EventPolicy", "KVPolicy", "Plan", "PolicyView", "PrefetchMode"]
 
 
 @dataclass(frozen=True)
@@ -131,3 +131,21 @@ class KVPolicy:
 
     def stats(self) -> dict[str, Any]:
         return {"name": self.name}
+
+
+class EventPolicy(KVPolicy):
+    """A policy that decides per tool call: at ``request_finished`` only when the request announced
+    its tool call, and at every ``on_stall``; subclasses implement :meth:`decide`."""
+
+    uses_events = True
+
+    def decide(self, view: PolicyView) -> Plan:
+        raise NotImplementedError
+
+    def on_finished(self, view: PolicyView) -> Plan:
+        if not view.announced:
+            return Plan("none", "not_announced")
+        return self.decide(view)
+
+    def on_stall(self, view: PolicyView) -> Plan:
+        return self.decide(view)

@@ -20,12 +20,11 @@ import math
 from collections import OrderedDict, deque
 from typing import Any
 
-from tokencake.serving.policies._base import KVPolicy, Plan, PolicyView
+from tokencake.serving.policies._base import EventPolicy, Plan, PolicyView
 
 
-class ContinuumPolicy(KVPolicy):
+class ContinuumPolicy(EventPolicy):
     name = "continuum"
-    uses_events = True
 
     def __init__(
         self,
@@ -84,7 +83,7 @@ class ContinuumPolicy(KVPolicy):
                 best_tau, best = tau, value
         return best_tau
 
-    def _plan(self, view: PolicyView) -> Plan:
+    def decide(self, view: PolicyView) -> Plan:
         if view.num_blocks == 0:
             return Plan("none", "no_blocks")
         on_host = min(max(int(view.gate.num_on_host), 0), view.num_blocks)
@@ -93,14 +92,6 @@ class ContinuumPolicy(KVPolicy):
         if tau <= 0:
             return Plan("none", "ttl_zero")
         return Plan("keep", "ttl", keep_s=tau)
-
-    def on_finished(self, view: PolicyView) -> Plan:
-        if not view.announced:
-            return Plan("none", "not_announced")
-        return self._plan(view)
-
-    def on_stall(self, view: PolicyView) -> Plan:
-        return self._plan(view)
 
     def stats(self) -> dict[str, Any]:
         return {

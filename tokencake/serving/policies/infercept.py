@@ -20,13 +20,12 @@ import math
 from collections import OrderedDict
 from typing import Any
 
-from tokencake.serving.policies._base import KVPolicy, Plan, PolicyView
+from tokencake.serving.policies._base import EventPolicy, Plan, PolicyView
 from tokencake.serving.prefetch import stall_expiry_s
 
 
-class InferceptPolicy(KVPolicy):
+class InferceptPolicy(EventPolicy):
     name = "infercept"
-    uses_events = True
 
     def __init__(self, max_sessions: int = 4096) -> None:
         self._last: dict[str, float] = {}
@@ -49,7 +48,7 @@ class InferceptPolicy(KVPolicy):
             "swap": copy_s * m if room >= to_copy else math.inf,
         }
 
-    def _plan(self, view: PolicyView) -> Plan:
+    def decide(self, view: PolicyView) -> Plan:
         if view.num_blocks == 0:
             return Plan("none", "no_blocks")
         waste = self.wastes(view)
@@ -62,9 +61,9 @@ class InferceptPolicy(KVPolicy):
         return Plan("discard", "discard")
 
     def on_finished(self, view: PolicyView) -> Plan:
+        plan = super().on_finished(view)
         if not view.announced:
-            return Plan("none", "not_announced")
-        plan = self._plan(view)
+            return plan
         self._decided[view.session_id] = plan
         self._decided.move_to_end(view.session_id)
         while len(self._decided) > self.max_sessions:
@@ -76,7 +75,7 @@ class InferceptPolicy(KVPolicy):
         earlier = self._decided.pop(view.session_id, None)
         if earlier is not None and view.gate.elapsed_s <= 0:
             return earlier
-        return self._plan(view)
+        return self.decide(view)
 
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "last_waste": {k: round(v, 4) for k, v in self._last.items()}}

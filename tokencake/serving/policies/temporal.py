@@ -9,32 +9,18 @@ the device copies are the first to be evicted once the host copy is confirmed.
 
 from __future__ import annotations
 
-from typing import Any
-
 from tokencake.serving.gate import OffloadGate
-from tokencake.serving.policies._base import KVPolicy, Plan, PolicyView
+from tokencake.serving.policies._base import EventPolicy, Plan, PolicyView
 
 
-class TokenCakePolicy(KVPolicy):
+class TokenCakePolicy(EventPolicy):
     name = "tokencake"
-    uses_events = True
 
     def __init__(self, gate: OffloadGate) -> None:
         self.gate = gate
 
-    def _plan(self, view: PolicyView) -> Plan:
+    def decide(self, view: PolicyView) -> Plan:
         decision = self.gate.decide(view.gate)
         if decision.offload:
             return Plan("offload", decision.reason, prefetch="predictive", evict_first=True)
         return Plan("none", decision.reason, retry=decision.retryable)
-
-    def on_finished(self, view: PolicyView) -> Plan:
-        if not view.announced:
-            return Plan("none", "not_announced")
-        return self._plan(view)
-
-    def on_stall(self, view: PolicyView) -> Plan:
-        return self._plan(view)
-
-    def stats(self) -> dict[str, Any]:
-        return {"name": self.name}

@@ -567,6 +567,12 @@ class SchedulerSide:
         nxt = info.next_stall if info is not None else None
         if nxt is None and self.policy.uses_events:
             return
+        chain = self._chain(hashes)
+        # The request reused its prefix's host copies: most recently used, head last (an LRU tier
+        # must lose a chain's tail before its head; a hit needs the chain from block 0).
+        reused = [slot for _i, _h, _d, slot in reversed(chain) if slot is not None]
+        if reused:
+            self.host.touch(reused)
         if not self.opts.offload and not self.policy.uses_events:
             return
         agent_type = info.agent_type if info is not None else ""
@@ -574,7 +580,6 @@ class SchedulerSide:
         if nxt is not None:
             predicted = self.forecaster.predict(agent_type, nxt.tool, nxt.predicted_s).seconds
             tool = nxt.tool
-        chain = self._chain(hashes)
         session_id = info.session_id if info is not None else ""
         view = self._view(
             chain,
@@ -1393,6 +1398,8 @@ class SchedulerSide:
             return
         job.released = True
         self.host.release(job.owner)
+        # Released ready slots join the host LRU; the chain's head last, so it is reclaimed last.
+        self.host.touch(reversed(job.slots))
         if job.kind == "offload":
             for h in job.hashes:
                 if self._filling.get(h) == job.job_id:
