@@ -74,6 +74,23 @@ def test_server_kwargs_refuse_flags_the_launcher_cannot_express():
     assert server_kwargs(pf, config, Direct)["prefetch"] is False
 
 
+def test_the_hold_ablation_passes_its_connector_key_to_the_server():
+    from tokencake.serving import Server
+
+    (spec,) = resolve_systems(["hold-off"])
+    kw = server_kwargs(spec, ServerConfig(), Server)
+    assert kw["connector_config"] == {"hold_prefetched": False} and kw["policy"] == "tokencake"
+    assert Server(**kw).connector_extra_config()["hold_prefetched"] is False
+    assert spec.to_dict()["connector"] == {"hold_prefetched": False}
+
+    class NoConfig:
+        def __init__(self, model=None, *, baseline=False, num_gpu_blocks=None, policy=None):
+            pass
+
+    with pytest.raises(ValueError, match="connector"):
+        server_kwargs(spec, ServerConfig(), NoConfig)
+
+
 def test_priority_controls_are_stock_vllm_with_the_priority_scheduler():
     config = ServerConfig(device_blocks=40, ideal_blocks=300, extra_args=("--seed", "1"))
     base, bp_, ip = resolve_systems(["baseline", "baseline-priority", "ideal-priority"])

@@ -319,6 +319,7 @@ def extension_summary(
     eligible, prefetched = c("readiness.eligible"), c("readiness.prefetched")
     not_needed, loading = c("readiness.not_needed"), c("readiness.loading")
     ready = None if eligible is None else (prefetched or 0.0) + (not_needed or 0.0) + (loading or 0.0)
+    no_room = c("readiness.no_room")
     return {
         "offload_bytes": c("offload.bytes"),
         "offloaded_blocks": c("offload.blocks"),
@@ -353,6 +354,24 @@ def extension_summary(
         "readiness_loading": loading,
         "readiness_missed": c("readiness.missed"),
         "ready_rate": _share(ready, eligible),
+        # Stalls whose request found no room for the chain on device (running and queued requests
+        # held it: even a prefetch issued at arrival would have waited), and the ready rate of the
+        # others — the stalls where being ready was possible without starving the queue.
+        "readiness_no_room": no_room,
+        "ready_rate_with_room": _share(
+            None
+            if ready is None
+            else ready
+            - (c("readiness.no_room_prefetched") or 0.0)
+            - (c("readiness.no_room_not_needed") or 0.0)
+            - (c("readiness.no_room_loading") or 0.0),
+            None if eligible is None else eligible - (no_room or 0.0),
+        ),
+        "readiness_missed_why": {
+            k[len("counters.readiness.missed_why.") :]: v
+            for k, v in d.items()
+            if k.startswith("counters.readiness.missed_why.") and v
+        },
         # The same without the stalls that needed no prefetch: how often the prefetch itself was in time.
         "on_time_rate_excl_not_needed": _share(
             None if ready is None else ready - (not_needed or 0.0),

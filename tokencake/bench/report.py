@@ -165,6 +165,8 @@ _TABLE_ROWS: tuple[tuple[str, tuple[str, ...], str, float], ...] = (
     ("readiness: loading", ("extension", "summary", "readiness_loading"), ".0f", 1.0),
     ("readiness: missed", ("extension", "summary", "readiness_missed"), ".0f", 1.0),
     ("ready rate", ("extension", "summary", "ready_rate"), ".0%", 1.0),
+    ("readiness: no room at arrival", ("extension", "summary", "readiness_no_room"), ".0f", 1.0),
+    ("ready rate where there was room", ("extension", "summary", "ready_rate_with_room"), ".0%", 1.0),
     ("on-time rate excl. not needed", ("extension", "summary", "on_time_rate_excl_not_needed"), ".0%", 1.0),
     ("next-turn prefix: device", ("extension", "summary", "next_turn_prefix_tokens_device"), ",.0f", 1.0),
     ("next-turn prefix: host", ("extension", "summary", "next_turn_prefix_tokens_host"), ",.0f", 1.0),
@@ -194,10 +196,12 @@ ROUND_HEADLINES: dict[str, tuple[str, str]] = {
     "continuum/ideal": ("E2E mean continuum/ideal", ".3f"),
     "infercept/ideal": ("E2E mean infercept/ideal", ".3f"),
     "stock-connector/baseline": ("E2E mean stock-connector/baseline (connector loaded, no policy)", ".3f"),
+    "tokencake/hold-off": ("E2E mean tokencake/hold-off (holding prefetched chains vs not)", ".3f"),
     "captured_fraction": ("captured fraction (baseline - tokencake) / (baseline - ideal)", ".2f"),
     "prefetch_on_time_rate": ("prefetch on-time rate", ".2f"),
     "next_turn_recomputed_share": ("next-turn recomputed share", ".2f"),
     "ready_rate": ("ready rate", ".2f"),
+    "ready_rate_with_room": ("ready rate where the device had room at arrival", ".2f"),
     "on_time_rate_excl_not_needed": ("on-time rate excl. not needed", ".2f"),
 }
 
@@ -240,6 +244,7 @@ def _point_headlines(comp: Mapping[str, Any]) -> list[str]:
         for key, label in (
             ("next_turn_recomputed_share", "next-turn recomputed share"),
             ("ready_rate", "ready rate"),
+            ("ready_rate_with_room", "ready rate with room"),
             ("on_time_rate_excl_not_needed", "on-time excl. not needed"),
         )
         if comp.get(key) is not None

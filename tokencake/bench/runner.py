@@ -372,12 +372,14 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("continuum", "ideal"),
     ("infercept", "ideal"),
     ("stock-connector", "baseline"),
+    ("tokencake", "hold-off"),
 )
 #: Extension summary fields of the ``tokencake`` system copied into each point's comparison.
 EXTENSION_HEADLINES: tuple[str, ...] = (
     "prefetch_on_time_rate",
     "next_turn_recomputed_share",
     "ready_rate",
+    "ready_rate_with_room",
     "on_time_rate_excl_not_needed",
 )
 

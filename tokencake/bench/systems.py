@@ -20,6 +20,8 @@ state.
 ``continuum``       extension with the ``continuum`` policy: device pin for a TTL from the tool-time CDF
 ``infercept``       extension with the ``infercept`` policy: preserve / swap / discard by memory waste
 ``stock-connector`` extension loaded with the ``stock`` policy (decides nothing): the connector's own cost
+``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
+                    free queue): the hold rule's ablation
 =================== =================================================================================
 
 The ``*-priority`` controls isolate vLLM's priority scheduler (which also changes which request vLLM
@@ -54,6 +56,8 @@ class SystemSpec:
     priority: bool = False
     #: Extension systems: the KV policy (``tokencake.serving.policies``).
     policy: str = "tokencake"
+    #: Extension systems: other ``kv_connector_extra_config`` keys (docs/architecture.md).
+    connector: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,6 +68,7 @@ class SystemSpec:
             "description": self.description,
             "priority": self.priority or not self.stock,
             "policy": None if self.stock else self.policy,
+            **({"connector": dict(self.connector)} if self.connector else {}),
         }
 
 
@@ -137,6 +142,13 @@ SYSTEMS: dict[str, SystemSpec] = {
         policy="stock",
         description="extension loaded with the stock policy (decides nothing): the connector's own cost",
     ),
+    "hold-off": SystemSpec(
+        "hold-off",
+        stock=False,
+        flags=dict(_ALL_ON),
+        connector={"hold_prefetched": False},
+        description="tokencake without holding prefetched chains until their request (ablation)",
+    ),
 }
 ALIASES = {"offload-only": "prefetch-off", "stock": "baseline", "vllm": "baseline"}
 DEFAULT_SYSTEMS = ("baseline", "tokencake", "ideal")
@@ -204,6 +216,10 @@ def server_kwargs(spec: SystemSpec, config: ServerConfig, server_cls: Any) -> di
         kwargs["policy"] = spec.policy
     elif spec.policy != "tokencake":
         raise ValueError(f"system {spec.name!r} needs policy {spec.policy!r}; Server has no policy keyword")
+    if spec.connector:
+        if "connector_config" not in params:
+            raise ValueError(f"system {spec.name!r} needs connector keys; Server has no connector_config")
+        kwargs["connector_config"] = dict(spec.connector)
     flags = {k: spec.flags.get(k, True) for k in EXTENSION_FLAGS}
     if all(k in params for k in EXTENSION_FLAGS):
         kwargs.update(flags)

@@ -169,6 +169,7 @@ def test_bad_numeric_knobs_keep_their_defaults() -> None:
     assert opts.min_waiting == default.min_waiting
     assert opts.prefetch_reserve_frac == default.prefetch_reserve_frac
     assert _options({"usage_threshold": "0.3"}).usage_threshold == 0.3
+    assert Options().hold_prefetched and _options({"hold_prefetched": "false"}).hold_prefetched is False
 
 
 def test_scheduler_init_failure_passes_through(build: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -152,6 +152,15 @@ def finish_turn(
     return blocks
 
 
+def admit(side: SchedulerSide, pool: BlockPool, req: Any, hit: list[bytes]) -> None:
+    """vLLM admits ``req`` with ``hit`` found in the device prefix cache, runs it and frees it."""
+    blocks = [bp.cached_block(pool, h) for h in hit]
+    assert all(b is not None for b in blocks)
+    bp.pin(pool, blocks)  # allocate_slots takes a reference on every hit block
+    side.update_state_after_alloc(req, [], 0)
+    bp.release(pool, blocks)
+
+
 def answer(side: SchedulerSide, meta: TokenCakeMetadata, ok: bool = True) -> None:
     side.on_worker_meta(TokenCakeWorkerMeta({j.job_id: JobResult(ok, 0.001, 0) for j in meta.jobs}))
 
@@ -254,16 +263,23 @@ def test_prefetch_restores_the_device_prefix_cache(pool: BlockPool, clock: Clock
     found = [bp.cached_block(pool, h) for h in hashes]
     assert all(b is not None for b in found)
     assert [b.block_id for b in found] == job.device_blocks
-    assert_no_pins(pool)
+    # Held for the session until its request is admitted: the running requests' allocations
+    # cannot evict it meanwhile.
+    assert sorted(b.block_id for b in pinned(pool)) == sorted(job.device_blocks)
+    evict_all(pool)
+    assert all(bp.cached_block(pool, h) is not None for h in hashes)
     # The session's next turn hits on device: on time, nothing recomputed.
     side.handle_event(end())
     side.build_meta()
     req = request("r2", [*hashes, *chain("n", 1)], 4 * BS + 1)
     side.on_new_request(req)
     assert side.get_num_new_matched_tokens(req, 3 * BS) == 0
-    side.update_state_after_alloc(req, [], 0)
+    admit(side, pool, req, hashes)
     assert side.stats.counter("prefetch.on_time") == 1
+    assert side.stats.counter("readiness.prefetched") == 1
+    assert side.stats.counter("hold.released.admitted") == 1
     assert side.stats.counter("next_turn.prefix_tokens_device") == 3 * BS
+    assert_no_pins(pool)
 
 
 def test_early_end_prefetches_at_once(pool: BlockPool, clock: Clock) -> None:
@@ -278,7 +294,11 @@ def test_early_end_prefetches_at_once(pool: BlockPool, clock: Clock) -> None:
     assert job.kind == "prefetch"
     answer(side, TokenCakeMetadata([job]))
     assert side.stats.counter("prefetch.triggered_by_end") == 1
-    assert_no_pins(pool)
+    assert len(pinned(pool)) == 2  # held for the request that follows the tool's return …
+    clock.t += side.opts.keep_after_end_s + 0.1
+    side.build_meta()
+    assert_no_pins(pool)  # … which never came: let go soon after the tool returned
+    assert side.stats.counter("hold.released.ttl") == 1
 
 
 def _offloaded_and_evicted(side: SchedulerSide, pool: BlockPool, clock: Clock, n: int = 2) -> list[bytes]:
@@ -315,7 +335,7 @@ def test_prefetch_brings_back_the_chain_head_when_room_is_short(pool: BlockPool,
     answer(side, TokenCakeMetadata([job]))
     assert bp.cached_block(pool, hashes[0]) is not None and bp.cached_block(pool, hashes[2]) is None
     assert side.stats.counter("prefetch.partial") == 1
-    assert_no_pins(pool)
+    assert len(pinned(pool)) == 2 and side.stats.counter("hold.blocks") == 2
 
 
 def test_request_waits_for_its_prefetch_instead_of_loading_twice(pool: BlockPool, clock: Clock) -> None:
@@ -741,7 +761,7 @@ def test_prefetch_aims_before_a_median_forecast(pool: BlockPool, clock: Clock) -
 
 
 def test_prefetched_chain_evicted_while_the_tool_runs_comes_back(pool: BlockPool, clock: Clock) -> None:
-    side = make_side(pool, clock, prefetch_quantile=None)
+    side = make_side(pool, clock, prefetch_quantile=None, hold_prefetched=False)
     hashes = chain("e", 2)
     finish_turn(side, pool, hashes)
     side.handle_event(begin(predicted=2.0))
@@ -766,6 +786,83 @@ def test_prefetched_chain_evicted_while_the_tool_runs_comes_back(pool: BlockPool
     side.update_state_after_alloc(req, [], 0)
     assert side.stats.counter("readiness.prefetched") == 1
     assert_no_pins(pool)
+
+
+def _held_after_prefetch(
+    side: SchedulerSide,
+    pool: BlockPool,
+    clock: Clock,
+    name: str,
+    session: str,
+    stall: str,
+    predicted: float,
+    n: int = 2,
+) -> list[bytes]:
+    hashes = chain(name, n)
+    finish_turn(side, pool, hashes, f"r-{name}", session=session)
+    side.handle_event(begin(stall, session, predicted))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    clock.t += predicted
+    meta = side.build_meta()
+    assert [j.kind for j in meta.jobs] == ["prefetch"]
+    answer(side, meta)
+    assert side._kept[session].kind == "hold"
+    return hashes
+
+
+def test_a_held_prefetch_yields_to_a_request_that_needs_the_room(pool: BlockPool, clock: Clock) -> None:
+    """Admission releases holds (latest predicted return first) just enough for the request."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    a = _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 1.0)
+    b = _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 5.0)  # returns last
+    assert len(pinned(pool)) == 4 and bp.num_free(pool) == 11
+    big = request("big", chain("w", 1), 12 * BS, session=None)  # 12 blocks + 1 spare: needs 2 more
+    side.on_new_request(big)
+    side.get_num_new_matched_tokens(big, 0)
+    assert "run:B" not in side._kept and "run:A" in side._kept  # B returns last: it goes
+    assert side.stats.counter("hold.released.room") == 1 and bp.num_free(pool) == 13
+    evict_all(pool)  # vLLM allocates for the big request
+    assert bp.cached_block(pool, b[0]) is None and bp.cached_block(pool, a[0]) is not None
+    # B's chain was lost while B's tool still runs: the planner uploads it again.
+    meta = side.build_meta()
+    assert [j.kind for j in meta.jobs] == ["prefetch"]
+    assert side.planner.stats()["reprefetch_while_running"] == 1
+
+
+def test_a_hold_that_cannot_make_room_is_not_released(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 1.0)
+    huge = request("huge", chain("w", 1), 40 * BS, session=None)  # never fits in 15 blocks
+    side.on_new_request(huge)
+    side.get_num_new_matched_tokens(huge, 0)
+    assert "run:A" in side._kept and len(pinned(pool)) == 2
+
+
+def test_holds_leave_a_free_block_per_running_request(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 1.0)
+    running = bp.allocate(pool, 12)  # the running requests grew: 1 free block left
+    side.observe_step(3, num_running=3)  # and 3 of them may each need one next step
+    side.build_meta()
+    assert "run:A" not in side._kept and side.stats.counter("hold.released.reserve") == 1
+    bp.release(pool, running)
+    assert_no_pins(pool)
+
+
+def test_a_session_that_is_back_gets_no_hold(pool: BlockPool, clock: Clock) -> None:
+    """The request came while its prefetch was copied: the late copy is not held for it."""
+    side = make_side(pool, clock)
+    hashes = _offloaded_and_evicted(side, pool, clock)
+    clock.t += 2.0
+    (job,) = side.build_meta().jobs
+    req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
+    side.on_new_request(req)
+    clock.t += side.opts.prefetch_wait_s + 0.1
+    assert side.get_num_new_matched_tokens(req, 0) == 2 * BS  # loads on demand
+    side.update_state_after_alloc(req, [], 0)
+    answer(side, TokenCakeMetadata([job]))
+    assert not side._kept
 
 
 # ------------------------------------------------------------------ KV policies (issue 10)
@@ -904,6 +1001,9 @@ def test_infercept_swaps_a_long_call_and_brings_it_back_when_the_tool_returns(
     assert job.kind == "prefetch" and len(job.device_blocks) == 3
     answer(side, TokenCakeMetadata([job]))
     assert side.planner.counts().get("due_at_end") == 1
+    assert len(pinned(pool)) == 3  # held for the request that follows
+    clock.t += side.opts.keep_after_end_s + 0.1
+    side.build_meta()
     assert not pinned(pool)
 
 

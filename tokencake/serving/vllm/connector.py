@@ -113,7 +113,7 @@ def _profile_file(vllm_config: VllmConfig, extra: Mapping[str, Any], cuda: bool)
 def _options(extra: dict[str, Any]) -> Options:
     """Policy knobs from ``kv_connector_extra_config``; a bad value keeps the default (logged)."""
     opts = Options()
-    for name in ("offload", "prefetch", "demand_load", "early_save", "demote"):
+    for name in ("offload", "prefetch", "demand_load", "early_save", "demote", "hold_prefetched"):
         setattr(opts, name, _extra_bool(extra, name, getattr(opts, name)))
     policy = str(extra.get("policy") or DEFAULT_POLICY).strip().lower()
     if policy in POLICY_NAMES:
@@ -401,7 +401,10 @@ class TokenCakeConnector(KVConnectorBase_V1):
         if self.sched is None:
             return TokenCakeMetadata()
         try:
-            self.sched.observe_step(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+            self.sched.observe_step(
+                getattr(scheduler_output, "total_num_scheduled_tokens", 0),
+                num_running=len(getattr(scheduler_output, "num_scheduled_tokens", None) or ()),
+            )
             return self.sched.build_meta()
         except Exception:
             self._count_error("build_connector_meta")

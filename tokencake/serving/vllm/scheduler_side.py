@@ -90,6 +90,10 @@ class Options:
     early_save: bool = True
     #: Move an offloaded idle session's device blocks to the front of vLLM's eviction queue.
     demote: bool = True
+    #: Hold a prefetched chain on device (one reference per block) until the session's next
+    #: request is admitted. The hold yields whenever a waiting request needs the blocks to be
+    #: admitted, or the free blocks fall below what the running requests may need next step.
+    hold_prefetched: bool = True
     #: Prefetch starts ``lead = estimated H2D time + wait for the next step + prefetch_margin_s``
     #: before the return it aims at: the ``prefetch_quantile`` of the learned actual/predicted
     #: duration ratios × the forecast (``prefetch_prior_ratio`` × forecast before any history).
@@ -192,6 +196,8 @@ class _Stall:
     #: Headroom refusals; a deferred prefetch waits for the next regular step.
     deferred: int = 0
     accounted: bool = False
+    #: A request of the session was admitted after the stall began (nothing left to hold for).
+    resumed: bool = False
     #: The policy's plan says the device copies go first in the eviction queue once on host.
     evict_first: bool = True
 
@@ -203,12 +209,18 @@ class _Stall:
 
 @dataclass
 class _Keep:
-    """Device blocks a policy holds for an idle session (one reference each, released once)."""
+    """Device blocks held for an idle session (one reference each, released once).
+
+    ``kind`` is ``keep`` (a policy's plan) or ``hold`` (a prefetched chain waiting for its
+    request). When room is needed the hold with the latest ``rank`` (predicted return) goes first.
+    """
 
     session_id: str
     blocks: list[KVCacheBlock]
     until: float
     since: float
+    rank: float = 0.0
+    kind: str = "keep"
 
 
 @dataclass
@@ -220,6 +232,9 @@ class _ReqInfo:
     next_stall: NextStall | None = None
     #: A prefetch of this session was being copied when the request first asked for its prefix.
     arrived_while_loading: bool = False
+    #: When the request first asked for its prefix: could the session's missing chain blocks
+    #: have been uploaded then under the prefetch budget rule (None: not asked yet)?
+    room_at_arrival: bool | None = None
 
 
 def _extra_bool(extra: dict[str, Any], name: str, default: bool) -> bool:
@@ -335,6 +350,8 @@ class SchedulerSide:
         #: Seconds between consecutive busy steps (the engine acts on a copy only at a step boundary).
         self._step_gaps: deque[float] = deque(maxlen=64)
         self._last_step: tuple[float, int] | None = None
+        #: Requests the last step scheduled (each may need a new block for its next token).
+        self._running = 0
         self._last_risk: float | None = None
         self._usa_req: str | None = None
         self._usa_first = 0
@@ -614,20 +631,38 @@ class SchedulerSide:
             self.stats.inc("early_save.blocks", len(job.hashes))
 
     # ---- keep (a policy holds a session's device blocks)
-    def _keep(self, session_id: str, chain: list, until: float, now: float) -> None:
-        """Hold the chain's device blocks until ``until`` (or the session's next admission)."""
+    def _keep(
+        self,
+        session_id: str,
+        chain: list,
+        until: float,
+        now: float,
+        *,
+        rank: float | None = None,
+        kind: str = "keep",
+    ) -> None:
+        """Hold the chain's device blocks until ``until`` (or the session's next admission).
+
+        A session already held gets the chain's other blocks added (a second prefetch of the
+        same stall) and the later deadline.
+        """
         assert self.pool is not None
         held = self._kept.get(session_id)
+        have = {b.block_id for b in held.blocks} if held is not None else set()
+        blocks = [dev for _i, _h, dev, _s in chain if dev is not None and dev.block_id not in have]
+        if held is None and not blocks:
+            return
+        if blocks:
+            bp.pin(self.pool, blocks)
         if held is not None:
+            held.blocks.extend(blocks)
             held.until = max(held.until, until)
             return
-        blocks = [dev for _i, _h, dev, _s in chain if dev is not None]
-        if not blocks:
-            return
-        bp.pin(self.pool, blocks)
-        self._kept[session_id] = _Keep(session_id, blocks, until, now)
-        self.stats.inc("keep.sessions")
-        self.stats.inc("keep.blocks", len(blocks))
+        self._kept[session_id] = _Keep(
+            session_id, blocks, until, now, rank=until if rank is None else rank, kind=kind
+        )
+        self.stats.inc(f"{kind}.sessions")
+        self.stats.inc(f"{kind}.blocks", len(blocks))
 
     def _unkeep(self, session_id: str, why: str) -> None:
         held = self._kept.pop(session_id, None)
@@ -635,19 +670,75 @@ class SchedulerSide:
             return
         if self.pool is not None:
             bp.release(self.pool, held.blocks)
-        self.stats.inc(f"keep.released.{why}")
-        self.stats.observe("keep.held_s", max(self.clock() - held.since, 0.0))
+        self.stats.inc(f"{held.kind}.released.{why}")
+        self.stats.observe(f"{held.kind}.held_s", max(self.clock() - held.since, 0.0))
+
+    def _release_kept_until(self, enough: Callable[[], bool], why: str, *, spare: str = "") -> int:
+        """Release holds, the latest predicted return first, until ``enough()``; returns how many.
+
+        ``spare``: a session whose hold stays (the request asking for room is its own).
+        """
+        released = 0
+        for held in sorted(self._kept.values(), key=lambda k: k.rank, reverse=True):
+            if enough():
+                break
+            if held.session_id == spare:
+                continue
+            self._unkeep(held.session_id, why)
+            released += 1
+        return released
 
     def _tick_keeps(self, now: float) -> None:
-        """Expired TTLs; and when requests wait while the engine computed nothing this step, the
-        keep with the earliest deadline goes (a pin must never stop every request from running)."""
+        """Expired TTLs; room for the running requests' next blocks; and when requests wait while
+        the engine computed nothing this step, the latest return goes (a hold must never stop
+        every request from running)."""
         for sid, held in list(self._kept.items()):
             if held.until <= now:
                 self._unkeep(sid, "ttl")
+        if self._kept and self.pool is not None:
+            # A running request that finds no free block for its next token is preempted: keep
+            # one free block per running request (and the reserve) whatever is held.
+            floor = max(self._reserve_blocks(), self._running)
+            pool = self.pool
+            self._release_kept_until(lambda: bp.num_free(pool) >= floor, "reserve")
         stuck = self._last_step is not None and self._last_step[1] == 0 and bool(self._waiting)
         if stuck and self._kept:
-            first = min(self._kept.values(), key=lambda k: k.until)
-            self._unkeep(first.session_id, "pressure")
+            latest = max(self._kept.values(), key=lambda k: k.rank)
+            self._unkeep(latest.session_id, "pressure")
+
+    def _reserve_blocks(self) -> int:
+        assert self.pool is not None
+        return max(
+            self.opts.prefetch_reserve_blocks, int(self.opts.prefetch_reserve_frac * self.pool.num_gpu_blocks)
+        )
+
+    def _make_room(self, request: Request, num_computed_tokens: int) -> None:
+        """A waiting request is about to be allocated: release holds it needs the blocks of.
+
+        Runs inside vLLM's admission (before ``allocate_slots``), so a held chain never delays a
+        request that could otherwise run; when even releasing every hold would not make it fit,
+        nothing is released (the request waits for running ones either way).
+        """
+        pool = self.pool
+        if pool is None or not self._kept:
+            return
+        info = self._reqs.get(request.request_id)
+        own = info.session_id if info is not None else ""
+        computed = list(request.block_hashes)[: num_computed_tokens // self.block_size]
+        # vLLM counts a hit block that sits in the free queue against the free blocks too.
+        evictable = 0
+        for h in computed:
+            block = bp.cached_block(pool, bytes(h))
+            evictable += block is not None and block.ref_cnt == 0
+        need = -(-int(request.num_tokens) // self.block_size) - len(computed) + evictable + 1
+        if bp.num_free(pool) >= need:
+            return
+        releasable = sum(
+            sum(b.ref_cnt == 1 for b in k.blocks) for k in self._kept.values() if k.session_id != own
+        )
+        if bp.num_free(pool) + releasable < need:
+            return
+        self._release_kept_until(lambda: bp.num_free(pool) >= need, "room", spare=own)
 
     # ---- demand load
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
@@ -658,8 +749,15 @@ class SchedulerSide:
         """
         req_id = request.request_id
         info = self._reqs.get(req_id)
+        try:
+            self._make_room(request, num_computed_tokens)
+        except Exception:  # room is an optimisation: never fail the admission over it
+            self.stats.inc("errors.make_room")
+            log.exception("TokenCake: releasing holds for %s failed", req_id)
         if info is not None:
             self._local_hit[req_id] = num_computed_tokens
+            if info.room_at_arrival is None:
+                info.room_at_arrival = self._room_for_chain(info.session_id, req_id)
             # Stall transitions may still be queued (no step since they arrived): apply them now so
             # this request is accounted against its stall. Only bookkeeping and pins happen here.
             self._drain(self.clock())
@@ -701,6 +799,10 @@ class SchedulerSide:
         if arrived is not None:
             self.policy.observe_queue_delay(max(self.clock() - arrived, 0.0))
         info = self._reqs.get(req_id)
+        if info is not None:
+            for stall in (self._active_stall(info.session_id), self._last_stall.get(info.session_id)):
+                if stall is not None:
+                    stall.resumed = True
         if info is not None and info.session_id in self._kept:
             # Admitted: the request now holds the prefix blocks it hit; the keep has done its job.
             self._unkeep(info.session_id, "admitted")
@@ -734,6 +836,29 @@ class SchedulerSide:
         self.stats.inc("demand_load.requests")
         self.stats.inc("demand_load.blocks", n)
         self.stats.inc("tokens.from_host", n * self.block_size)
+
+    def _room_for_chain(self, session_id: str, req_id: str) -> bool:
+        """Whether the device could take the session's missing chain blocks right now under the
+        prefetch budget rule (free − own idle − max(reserve, what the *other* queued requests
+        need), plus what other sessions' holds would yield). False means even a prefetch issued
+        at this moment would have waited: the request queues for room whatever was prefetched."""
+        pool = self.pool
+        stall = self._last_stall.get(session_id) or self._active_stall(session_id)
+        if pool is None or stall is None:
+            return True
+        missing = own_idle = 0
+        for h in stall.hashes:
+            block = bp.cached_block(pool, h)
+            if block is None:
+                missing += 1
+            else:
+                own_idle += block.ref_cnt == 0
+        queued = sum(n for r, n in self._waiting.items() if r != req_id)
+        yieldable = sum(
+            sum(b.ref_cnt == 1 for b in k.blocks) for k in self._kept.values() if k.session_id != session_id
+        )
+        room = bp.num_free(pool) - own_idle - max(self._reserve_blocks(), queued) + yieldable
+        return room >= missing
 
     def _account_next_turn(self, request: Request, local: int, external: int) -> None:
         """Readiness, prefetch outcome and recomputed prefix tokens for a session's next turn."""
@@ -775,8 +900,14 @@ class SchedulerSide:
                 ready = "prefetched" if stall.prefetched else "not_needed"
             else:
                 ready = "missed"
+                self.stats.inc(f"readiness.missed_why.{self._why_missed(stall, info)}")
             self.stats.inc("readiness.eligible")
             self.stats.inc(f"readiness.{ready}")
+            if info.room_at_arrival is False:
+                # The device had no room for the chain when the request came (running and queued
+                # requests held it): being ready at arrival was not possible without starving them.
+                self.stats.inc("readiness.no_room")
+                self.stats.inc(f"readiness.no_room_{ready}")
         # Classify the session's planned stalls: on time only if the whole repeated prefix was on
         # device when the request came (a prefetch or blocks that were never evicted).
         # With prefetch off the planner still tracks the stall (pins, expiry): count apart so the
@@ -792,6 +923,19 @@ class SchedulerSide:
         # stay indexed (LRU-reclaimable) for later hits. The record (and its hashes) is done.
         self._release_stall(stall.stall_id)
         self._last_stall.pop(session_id)
+
+    def _why_missed(self, stall: _Stall, info: _ReqInfo) -> str:
+        """Why a session's chain was not on device when its request came (a readiness miss)."""
+        if info.room_at_arrival is False:
+            return "no_room"
+        plan = self.planner.get(stall.stall_id)
+        if plan is None or plan.mode != "predictive":
+            return "not_planned"
+        if plan.state == "waiting":
+            return "deferred" if stall.deferred else "early_return"
+        if plan.state in ("on_device", "evicted"):
+            return "evicted" if plan.evictions else "partial"
+        return plan.state
 
     def _release_stall(self, stall_id: str) -> None:
         """Unpin a stall's host copies and forget it (a prefetch in flight keeps its own pins)."""
@@ -1030,10 +1174,13 @@ class SchedulerSide:
         if not self._offload_pending(stall):
             self._demote(stall)
 
-    def observe_step(self, num_scheduled_tokens: int, now: float | None = None) -> None:
+    def observe_step(
+        self, num_scheduled_tokens: int, now: float | None = None, *, num_running: int = 0
+    ) -> None:
         """Record one step's scheduled tokens (each needs KV: the rate at which blocks get allocated)."""
         t = self.clock() if now is None else now
         n = max(0, int(num_scheduled_tokens))
+        self._running = max(0, int(num_running))
         self._steps.append((t, n))
         while self._steps and t - self._steps[0][0] > self.opts.churn_window_s:
             self._steps.popleft()
@@ -1221,9 +1368,7 @@ class SchedulerSide:
             self.planner.mark_done(stall.stall_id, now=now)
             self.stats.inc("prefetch.not_needed")
             return
-        reserve = max(
-            self.opts.prefetch_reserve_blocks, int(self.opts.prefetch_reserve_frac * pool.num_gpu_blocks)
-        )
+        reserve = max(self._reserve_blocks(), self._running)
         queued = sum(self._waiting.values())
         # Our own idle cached blocks are counted free by vLLM, but allocating them would break the chain.
         budget = bp.num_free(pool) - own_idle - max(reserve, queued)
@@ -1340,6 +1485,8 @@ class SchedulerSide:
             self._release(job)
         if kind == "offload":
             self._after_offload(job)
+        elif kind == "prefetch" and ok and not stale:
+            self._hold_prefetched(job)
 
     def _complete_offload(self, job: _Job, ok: bool) -> None:
         stall = self._active_stall(job.session_id)
@@ -1385,6 +1532,40 @@ class SchedulerSide:
             else:
                 self.planner.cancel(job.stall_id, "prefetch_failed")
         self.stats.inc("prefetch.published_blocks", len(published))
+
+    def _hold_prefetched(self, job: _Job) -> None:
+        """Keep a prefetched chain on device until its session's request is admitted.
+
+        Unpinned, the uploaded blocks sit in vLLM's free queue and the allocations of the requests
+        running meanwhile evict them before the tool returns (a heavy-tailed tool is back long
+        after an early prefetch). The hold displaces only idle cached blocks: it yields to any
+        request that needs the room to be admitted (``_make_room``), to the running requests'
+        next blocks and to a stuck engine (``_tick_keeps``), the latest predicted return first.
+        """
+        if not self.opts.hold_prefetched or self.pool is None or job.session_id is None:
+            return
+        stall = self._stall(job.stall_id or "")
+        if stall is None or stall.accounted or stall.resumed:
+            return  # the request came first (it waited for this copy, or loaded on demand)
+        chain = []
+        for h in stall.hashes:  # the usable prefix: from block 0, unbroken
+            block = bp.cached_block(self.pool, h)
+            if block is None:
+                break
+            chain.append((0, h, block, None))
+        if not chain:
+            return
+        now = self.clock()
+        if stall.ended_at is not None:
+            until = stall.ended_at + self.opts.keep_after_end_s
+        else:
+            until = stall.begin_at + stall_expiry_s(
+                stall.predicted_s,
+                factor=self.opts.expiry_factor,
+                min_s=self.opts.expiry_min_s,
+                max_s=self.opts.expiry_max_s,
+            )
+        self._keep(job.session_id, chain, until, now, rank=stall.returns_at, kind="hold")
 
     def _complete_load(self, job: _Job, ok: bool) -> None:
         if not ok:
