@@ -208,3 +208,11 @@ def test_bookkeeping_bytes_per_slot_are_bounded() -> None:
     assert pool.num_ready == n and pool.stats()["owners"] == 0
     assert (empty - base) / n < 100, (empty - base) / n
     assert (full - base) / n < 320, (full - base) / n
+
+
+def test_lookup_many_is_lookup_of_each() -> None:
+    pool = HostPool(3)
+    (slot,) = pool.allocate(1, "o")
+    pool.commit(b"h1", slot)
+    assert pool.lookup_many([b"h0", b"h1", b"h2"]) == [None, slot, None]
+    assert pool.lookup_many([]) == []

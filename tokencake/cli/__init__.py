@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "tokencake.cli._apps",  # apps, run, graph
     "tokencake.cli._serve",  # serve, stop, model
     "tokencake.cli._bench",  # bench
+    "tokencake.cli._sim",  # sim
 )
 
 

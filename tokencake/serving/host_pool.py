@@ -118,6 +118,12 @@ class HostPool:
         with self._lock:
             return self._index.get(block_hash)
 
+    def lookup_many(self, block_hashes: Iterable[bytes]) -> list[int | None]:
+        """:meth:`lookup` of each hash under one lock acquisition (a long chain at once)."""
+        with self._lock:
+            get = self._index.get
+            return [get(h) for h in block_hashes]
+
     def match_prefix(self, block_hashes: Iterable[bytes], *, touch: bool = True) -> list[int]:
         """Slots of the longest leading run of ``block_hashes`` that are ready on host.
 

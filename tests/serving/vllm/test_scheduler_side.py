@@ -719,6 +719,7 @@ def test_a_slow_prefetch_is_not_waited_for_forever(pool: BlockPool, clock: Clock
     answer(side, side.build_meta())  # the load …
     answer(side, TokenCakeMetadata([job]))  # … and the late prefetch: not published twice
     assert side.stats.counter("prefetch.duplicate_blocks") == 2
+    assert not side._kept  # nor held: its request is already running
     assert side.stats.counter("demand_load.gave_up_waiting") == 1
     bp.release(pool, loaded)
     assert_no_pins(pool)
@@ -848,21 +849,6 @@ def test_holds_leave_a_free_block_per_running_request(pool: BlockPool, clock: Cl
     assert "run:A" not in side._kept and side.stats.counter("hold.released.reserve") == 1
     bp.release(pool, running)
     assert_no_pins(pool)
-
-
-def test_a_session_that_is_back_gets_no_hold(pool: BlockPool, clock: Clock) -> None:
-    """The request came while its prefetch was copied: the late copy is not held for it."""
-    side = make_side(pool, clock)
-    hashes = _offloaded_and_evicted(side, pool, clock)
-    clock.t += 2.0
-    (job,) = side.build_meta().jobs
-    req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
-    side.on_new_request(req)
-    clock.t += side.opts.prefetch_wait_s + 0.1
-    assert side.get_num_new_matched_tokens(req, 0) == 2 * BS  # loads on demand
-    side.update_state_after_alloc(req, [], 0)
-    answer(side, TokenCakeMetadata([job]))
-    assert not side._kept
 
 
 # ------------------------------------------------------------------ KV policies (issue 10)

@@ -1,0 +1,80 @@
+"""``tokencake sim`` from the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokencake.cli import _sim, main
+from tokencake.sim import PROFILES, SYSTEMS
+
+
+def test_the_parser_knows_every_profile_and_system() -> None:
+    assert set(_sim.PROFILE_NAMES) == set(PROFILES)
+    assert set(_sim.DEFAULT_SYSTEMS.split(",")) <= set(SYSTEMS)
+
+
+def test_a_sweep_writes_results_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim"
+    rc = main(
+        [
+            "sim",
+            "--preset",
+            "stress",
+            "--agents",
+            "2,4",
+            "--turns",
+            "3",
+            "--policies",
+            "baseline,tokencake,ideal",
+            "--out",
+            str(out),
+            "--write-trace",
+            str(tmp_path / "t.jsonl"),
+        ]
+    )
+    assert rc == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert [p["agents"] for p in doc["points"]] == [2, 4]
+    assert set(doc["points"][0]["systems"]) == {"baseline", "tokencake", "ideal"}
+    assert (out / "sim.png").stat().st_size > 0
+    # The trace written can be replayed as is.
+    assert (
+        main(
+            [
+                "sim",
+                "--trace",
+                str(tmp_path / "t.jsonl"),
+                "--policies",
+                "baseline",
+                "--json",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
+    assert "tokencake sim" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--policies", "nope"], "unknown system"),
+        (["--agents", "x"], "--agents"),
+        (["--agents", "0"], "--agents"),
+        (["--trace", "/nonexistent.jsonl"], "nonexistent"),
+    ],
+)
+def test_bad_input_is_one_clear_line(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["sim", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_validate_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--validate"]) == 0
+    assert "OK" in capsys.readouterr().out

@@ -1,0 +1,92 @@
+"""The engine model against hand-computed small cases (tokencake/sim/engine.py).
+
+The profile makes the arithmetic easy: a step costs 1 s + 0.01 s per prefill token, blocks hold 4
+tokens, the token budget is 8, and decode costs nothing beyond the step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tokencake.sim.engine import Engine, Request, Session
+from tokencake.sim.profiles import get_profile
+
+PROFILE = get_profile("cpu-measured").with_(
+    name="unit",
+    block_size=4,
+    max_batched_tokens=8,
+    max_num_seqs=8,
+    step_s=1.0,
+    prefill_s_per_token=0.01,
+    attn_s_per_token_ctx=0.0,
+    decode_s_per_seq=0.0,
+    decode_s_per_ctx_token=0.0,
+)
+
+
+def run(engine: Engine) -> list[Request]:
+    done = []
+    while engine.has_work():
+        done += engine.step()
+    return done
+
+
+def session(name: str, group: str | None = None, prefix: int = 0) -> Session:
+    return Session(name, "agent", 4, group, prefix)
+
+
+def test_one_request_alone() -> None:
+    engine = Engine(PROFILE, device_blocks=8)
+    req = Request(0, session("a"), prompt_tokens=10, output_tokens=3, arrival=0.0)
+    engine.submit(req)
+    assert run(engine) == [req]
+    # 8 tokens (1.08 s), the last 2 + first token (1.02 s), then 2 decode steps (1 s each).
+    assert req.first_token_at == pytest.approx(2.10)
+    assert req.finished_at == pytest.approx(4.10)
+    assert engine.computed_prompt_tokens == 10 and engine.local_hit_tokens == 0
+    # Its 3 full blocks (12 tokens of prompt + output) stay cached after it finished.
+    assert len(engine.cache.match(session("a").keys(3))) == 3 and engine.cache.num_free == 8
+
+
+def test_two_requests_sharing_a_prefix() -> None:
+    engine = Engine(PROFILE, device_blocks=8)
+    first = Request(0, session("a", "sys", 8), prompt_tokens=9, output_tokens=1, arrival=0.0)
+    engine.submit(first)
+    run(engine)
+    second = Request(1, session("b", "sys", 8), prompt_tokens=13, output_tokens=1, arrival=engine.now)
+    engine.submit(second)
+    start = engine.now
+    run(engine)
+    # The 2 shared blocks (8 tokens) hit; the 5 other prompt tokens are computed in one step.
+    assert second.local_tokens == 8 and second.computed_prompt_tokens == 5
+    assert second.finished_at - start == pytest.approx(1.05)
+
+
+def test_eviction_takes_the_idle_chain_tail_first() -> None:
+    engine = Engine(PROFILE, device_blocks=4)
+    a = Request(0, session("a"), prompt_tokens=8, output_tokens=1, arrival=0.0)
+    engine.submit(a)
+    run(engine)  # 2 full blocks cached, idle
+    b = Request(1, session("b"), prompt_tokens=11, output_tokens=1, arrival=engine.now)
+    engine.submit(b)
+    run(engine)  # needs 3 blocks: the 2 never used, then a's tail
+    assert (
+        engine.cache.match(session("a").keys(2)) != [] and len(engine.cache.match(session("a").keys(2))) == 1
+    )
+    again = Request(2, session("a"), prompt_tokens=9, output_tokens=1, arrival=engine.now)
+    engine.submit(again)
+    run(engine)
+    assert again.local_tokens == 4 and again.computed_prompt_tokens == 5
+
+
+def test_preemption_by_recompute_when_decode_runs_out_of_blocks() -> None:
+    engine = Engine(PROFILE, device_blocks=4)
+    a = Request(0, session("a"), prompt_tokens=4, output_tokens=6, arrival=0.0)
+    b = Request(1, session("b"), prompt_tokens=4, output_tokens=6, arrival=0.0)
+    engine.submit(a)
+    engine.submit(b)
+    done = run(engine)
+    assert set(done) == {a, b}
+    # Each needs 3 blocks by its last token; 4 blocks hold both only until the decodes grow.
+    assert engine.preemptions >= 1 and b.preemptions >= 1 and a.preemptions == 0
+    assert engine.computed_prompt_tokens > 8  # b's context was computed again

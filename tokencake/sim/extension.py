@@ -1,0 +1,818 @@
+"""The connector's mechanisms, on the simulated block cache, driving the server's own policy objects.
+
+This is ``tokencake/serving/vllm/scheduler_side.py`` without vLLM: the same decision points (a
+request finishes → ``policy.on_finished``; ``stall_begin`` → ``policy.on_stall``, asked again while
+the answer is a retryable no), the same ``Plan`` actions (offload + prefetch mode + evict-first,
+keep, discard, none), the same helpers (``OffloadGate``, ``PrefetchPlanner``, ``HostPool``,
+``DurationForecaster`` are imported, not re-implemented) and the same mechanism rules: saves pin the
+device blocks until copied; a confirmed copy is committed to the host pool; an offloaded idle chain
+goes to the front of the eviction queue (latest return first); uploads are budgeted against the
+queue and held until their request is admitted (yielding to admissions and the running requests'
+next blocks); a next request loads on demand what the device lacks and the host holds.
+
+Copies take the profile's time: inside the step on the CPU backend (the same cores), on a side
+stream on a GPU (one stream: copies queue behind each other; only a demand load delays its step).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tokencake.serving.forecast import DurationForecaster
+from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remaining_s
+from tokencake.serving.host_pool import HostPool, HostPoolExhausted
+from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
+from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
+
+if TYPE_CHECKING:
+    from tokencake.sim.engine import Engine, Request, Session
+
+__all__ = ["ExtOptions", "KVExtension"]
+
+#: Up to this many demoted stalls the simulator re-queues them exactly as the connector does.
+DEMOTE_EXACT = 16
+
+
+@dataclass(frozen=True)
+class ExtOptions:
+    """The connector's knobs, with its defaults (``scheduler_side.Options``)."""
+
+    policy: str = "tokencake"
+    policy_seed: int = 0
+    offload: bool = True
+    prefetch: bool = True
+    demand_load: bool = True
+    demote: bool = True
+    hold_prefetched: bool = True
+    keep_after_end_s: float = 5.0
+    prefetch_margin_s: float = 0.25
+    prefetch_quantile: float | None = 0.1
+    prefetch_prior_ratio: float = 0.5
+    prefetch_reserve_frac: float = 0.05
+    prefetch_wait_s: float = 1.0
+    usage_threshold: float = 0.5
+    min_waiting: int = 1
+    churn_safety: float = 2.0
+    reevaluate_s: float = 0.05
+    #: Simulation only: a retryable "no" is asked again after ``reevaluate_s``, doubling up to this
+    #: while no request waits (the server asks every ``reevaluate_s``; at 1,000 agents with long
+    #: chains that is the simulator's hot loop). ``None`` = exactly as the server.
+    retry_max_s: float | None = None
+    end_grace_s: float = 30.0
+    expiry_factor: float = 4.0
+    expiry_min_s: float = 60.0
+    expiry_max_s: float = 3600.0
+
+
+@dataclass(eq=False)
+class _Stall:
+    stall_id: str
+    session: Session
+    tool: str
+    begin_at: float
+    predicted_s: float
+    keys: tuple[bytes, ...]
+    decision: str | None = None
+    offloaded: bool = False
+    retry_at: float = math.inf
+    ended_at: float | None = None
+    evict_first: bool = True
+    lead_s: float = 0.0
+    prefetched: list[bytes] = field(default_factory=list)
+    prefetch_job: _Job | None = None
+    deferred: int = 0
+    accounted: bool = False
+    resumed: bool = False
+    retry_s: float = 0.0
+
+    @property
+    def returns_at(self) -> float:
+        return self.begin_at + self.predicted_s
+
+
+@dataclass(eq=False)
+class _Job:
+    kind: str  # offload | prefetch | load
+    keys: list[bytes]
+    positions: list[int]
+    blocks: list[int]
+    slots: list[int]
+    owner: str
+    done_at: float = math.inf
+    stall: _Stall | None = None
+    session_id: str = ""
+
+
+@dataclass(eq=False)
+class _Hold:
+    session_id: str
+    blocks: list[int]
+    until: float
+    since: float
+    rank: float
+    kind: str  # keep | hold
+
+
+class KVExtension:
+    def __init__(self, options: ExtOptions | None = None, *, host_blocks: int) -> None:
+        self.opts = options or ExtOptions()
+        self.host = HostPool(host_blocks)
+        self.stats: Counter[str] = Counter()
+        self.engine: Engine | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def bind(self, engine: Engine) -> None:
+        self.engine = engine
+        self.cache = engine.cache
+        p = engine.profile
+        self.profile = p
+        self.block_size = p.block_size
+        self.transfer = TransferModel(
+            d2h_bytes_per_s=p.d2h_bytes_per_s, h2d_bytes_per_s=p.h2d_bytes_per_s, base_s=p.copy_base_s
+        )
+        self.gate = OffloadGate(
+            transfer=self.transfer,
+            usage_threshold=self.opts.usage_threshold,
+            min_waiting=self.opts.min_waiting,
+        )
+        self.policy: KVPolicy = make_policy(self.opts.policy, gate=self.gate, seed=self.opts.policy_seed)
+        self.forecaster = DurationForecaster()
+        self.planner = PrefetchPlanner(
+            clock=lambda: engine.now,
+            safety_margin_s=0.0,
+            return_quantile=self.opts.prefetch_quantile,
+            prior_ratio=self.opts.prefetch_prior_ratio,
+        )
+        self._stalls: dict[str, _Stall] = {}  # active (tool running)
+        self._session_stall: dict[str, _Stall] = {}  # session -> its active stall
+        self._last_stall: dict[str, _Stall] = {}  # session -> its last ended stall (next-turn accounting)
+        self._chains: dict[str, list[bytes]] = {}  # session -> keys of its last finished request
+        self._jobs: list[_Job] = []
+        self._filling: dict[bytes, _Job] = {}
+        self._holds: dict[str, _Hold] = {}
+        self._demoted: set[_Stall] = set()
+        self._pending_copy_s = 0.0
+        self._stream_free_at = 0.0
+        self._next_job = 0
+        self._loading_sessions: dict[str, _Job] = {}
+        self._arrived_while_loading: set[int] = set()
+        self._room_at_arrival: dict[int, bool] = {}
+        self._seen_evictions = -1
+        self._retries: list[tuple[float, int, _Stall]] = []
+        self._retry_seq = itertools.count()
+        self._was_waiting = False
+        #: Stalls whose chain a prefetch put back while the tool still runs (checked for eviction).
+        self._prefetched_running: set[_Stall] = set()
+
+    @property
+    def now(self) -> float:
+        assert self.engine is not None
+        return self.engine.now
+
+    # ------------------------------------------------------------------ views
+    def _chain(
+        self, keys: list[bytes] | tuple[bytes, ...]
+    ) -> list[tuple[int, bytes, int | None, int | None]]:
+        """``(position, key, device block, host slot)`` of the usable prefix (as the connector's)."""
+        dev = self.cache.by_key.get
+        out = []
+        for i, (k, slot) in enumerate(zip(keys, self.host.lookup_many(keys), strict=True)):
+            d = dev(k)
+            if d is None and slot is None:
+                break
+            out.append((i, k, d, slot))
+        return out
+
+    def _eviction_risk(self, keyset: set[bytes], left_s: float) -> float:
+        """The connector's ``_eviction_risk``: allocations expected before the return over the free
+        blocks vLLM evicts before the chain's first idle block (its position in the free queue)."""
+        assert self.engine is not None
+        cache = self.cache
+        idle = [b for b in (cache.by_key.get(k) for k in keyset) if b is not None and cache.ref[b] == 0]
+        if not idle:
+            return 0.0
+        expected = self.engine.waiting_blocks() + max(
+            self.opts.churn_safety * self.engine.alloc_rate() * max(left_s, 0.0),
+            self.profile.max_batched_tokens / self.block_size,
+        )
+        ahead = cache.blocks_ahead(idle)
+        if ahead is None:
+            return 0.0
+        return 1.0 if ahead == 0 else min(1.0, expected / ahead)
+
+    def _view(
+        self,
+        chain: list,
+        predicted: float,
+        elapsed: float,
+        session: Session,
+        tool: str | None,
+        *,
+        at_finish: bool,
+        announced: bool,
+    ) -> PolicyView:
+        assert self.engine is not None
+        on_host = sum(1 for _i, k, _d, s in chain if s is not None or k in self._filling)
+        left = remaining_s(predicted, elapsed, self.gate.overdue_factor)
+        gate = GateInput(
+            predicted_s=predicted,
+            num_blocks=len(chain),
+            block_bytes=self.profile.block_bytes,
+            device_usage=self._eviction_risk({k for _i, k, d, _s in chain if d is not None}, left),
+            num_waiting=len(self.engine.waiting),
+            host_free_blocks=self.host.num_free,
+            num_on_host=on_host,
+            host_reclaimable_blocks=self.host.num_reclaimable,
+            elapsed_s=elapsed,
+        )
+        return PolicyView(
+            gate=gate,
+            session_id=session.session_id,
+            agent_type=session.agent_type,
+            tool=tool,
+            device_blocks=self.cache.num_blocks,
+            device_free_blocks=self.cache.num_free,
+            waiting_blocks=self.engine.waiting_blocks(),
+            recompute_s=self.profile.recompute_s(len(chain) * self.block_size),
+            d2h_s=self.transfer.estimate("d2h", max(len(chain) - on_host, 0) * self.profile.block_bytes),
+            h2d_s=self.transfer.estimate("h2d", len(chain) * self.profile.block_bytes),
+            at_finish=at_finish,
+            announced=announced,
+            kept=session.session_id in self._holds,
+        )
+
+    def _count(self, where: str, plan: Plan) -> None:
+        self.stats[f"policy.{where}.{plan.action}"] += 1
+        self.stats[f"policy.reason.{plan.reason}"] += 1
+
+    # ------------------------------------------------------------------ copies
+    def _new_job(
+        self, kind: str, keys: list, positions: list[int], blocks: list[int], slots: list[int], **kw: Any
+    ) -> _Job:
+        self._next_job += 1
+        job = _Job(kind, keys, positions, blocks, slots, f"job:{self._next_job}", **kw)
+        t = self.profile.copy_s("d2h" if kind == "offload" else "h2d", len(blocks))
+        self.stats[f"{kind}.blocks"] += len(blocks)
+        self.stats[f"{kind}.jobs"] += 1
+        if kind == "load" or not self.profile.copies_async:
+            self._pending_copy_s += t  # inside the step: same cores (CPU) or a demand load
+            job.done_at = -math.inf  # completes at the end of the step it ships with
+        else:
+            start = max(self._stream_free_at, self.now)
+            self._stream_free_at = job.done_at = start + t
+        self._jobs.append(job)
+        return job
+
+    def step_copy_s(self, _loads: int) -> float:
+        t, self._pending_copy_s = self._pending_copy_s, 0.0
+        return t
+
+    def _plan_offload(self, chain: list, *, stall: _Stall | None, session_id: str) -> _Job | None:
+        todo = [(i, k, d) for i, k, d, s in chain if s is None and d is not None and k not in self._filling]
+        if not todo:
+            return None
+        slots = self.host.allocate(len(todo), f"job:{self._next_job + 1}")
+        blocks = [d for _i, _k, d in todo]
+        self.cache.touch(blocks)
+        job = self._new_job(
+            "offload",
+            [k for _i, k, _d in todo],
+            [i for i, _k, _d in todo],
+            blocks,
+            slots,
+            stall=stall,
+            session_id=session_id,
+        )
+        for k in job.keys:
+            self._filling[k] = job
+        return job
+
+    def after_step(self, now: float, _dt: float) -> None:
+        """Complete the copies that are done by ``now`` (CPU: every copy of the step just run)."""
+        done = [j for j in self._jobs if j.done_at <= now]
+        if not done:
+            return
+        self._jobs = [j for j in self._jobs if j.done_at > now]
+        for job in done:
+            getattr(self, f"_complete_{job.kind}")(job)
+
+    def _complete_offload(self, job: _Job) -> None:
+        stall = self._session_stall.get(job.session_id)
+        for k, b, slot in zip(job.keys, job.blocks, job.slots, strict=True):
+            if self._filling.get(k) is job:
+                del self._filling[k]
+            if self.cache.key[b] == k:
+                used = self.host.commit(k, slot)  # type: ignore[arg-type]
+                if stall is not None and stall.offloaded:
+                    self.host.pin(used, stall.stall_id)
+            else:
+                self.host.invalidate(slot)
+        self.host.release(job.owner)
+        self.host.touch(reversed(job.slots))
+        self.cache.release(list(reversed(job.blocks)))
+        if stall is not None and stall.offloaded and not self._offload_pending(stall):
+            self._demote(stall)
+
+    def _complete_prefetch(self, job: _Job) -> None:
+        stall = job.stall
+        if self._loading_sessions.get(job.session_id) is job:
+            del self._loading_sessions[job.session_id]
+        published = []
+        for k, b in zip(job.keys, job.blocks, strict=True):
+            if self.cache.cache(b, k):
+                published.append(k)
+        self.host.release(job.owner)
+        self.cache.release(list(reversed(job.blocks)))
+        if stall is not None:
+            stall.prefetched.extend(published)
+            stall.prefetch_job = None
+            self.planner.mark_done(stall.stall_id, now=self.now)
+            if stall.ended_at is None:
+                self._prefetched_running.add(stall)
+            self._hold_prefetched(stall)
+
+    def _complete_load(self, job: _Job) -> None:
+        self.host.release(job.owner)
+        self.host.touch(reversed(job.slots))
+
+    def _offload_pending(self, stall: _Stall) -> bool:
+        return bool(self._filling) and any(k in self._filling for k in stall.keys)
+
+    # ------------------------------------------------------------------ eviction order
+    def _chain_blocks(self, stall: _Stall, *, on_host_only: bool) -> list[int]:
+        out = []
+        for k in stall.keys:
+            b = self.cache.lookup(k)
+            if b is None or (on_host_only and self.host.lookup(k) is None):  # type: ignore[arg-type]
+                continue
+            out.append(b)
+        out.reverse()
+        return out
+
+    def _demote(self, stall: _Stall) -> None:
+        if not self.opts.demote or not stall.evict_first or stall.stall_id not in self._stalls:
+            return
+        self._demoted.add(stall)
+        # The connector re-queues every demoted chain, latest return first in line. When the new
+        # stall returns last (the usual case) only its chain moves: the same order, O(chain).
+        # Beyond DEMOTE_EXACT demoted stalls the simulator moves only the new chain (an
+        # approximation: O(demoted × chain) per offload is its hot loop at 1,000 agents).
+        if len(self._demoted) > DEMOTE_EXACT or all(s.returns_at <= stall.returns_at for s in self._demoted):
+            order = [stall]
+        else:
+            order = sorted(self._demoted, key=lambda s: s.returns_at)
+        for s in order:
+            self.stats["evict_order.demoted_blocks"] += self.cache.move(
+                self._chain_blocks(s, on_host_only=True), front=True
+            )
+
+    def _promote(self, stall: _Stall) -> None:
+        if stall in self._demoted:
+            self._demoted.discard(stall)
+            self.cache.move(self._chain_blocks(stall, on_host_only=False), front=False)
+
+    # ------------------------------------------------------------------ holds (keep / prefetched)
+    def _hold(self, session_id: str, blocks: list[int], until: float, *, rank: float, kind: str) -> None:
+        held = self._holds.get(session_id)
+        have = set(held.blocks) if held is not None else set()
+        new = [b for b in blocks if b not in have]
+        if held is None and not new:
+            return
+        self.cache.touch(new)
+        if held is not None:
+            held.blocks.extend(new)
+            held.until = max(held.until, until)
+            return
+        self._holds[session_id] = _Hold(session_id, new, until, self.now, rank, kind)
+        self.stats[f"{kind}.sessions"] += 1
+
+    def _unhold(self, session_id: str, why: str) -> None:
+        held = self._holds.pop(session_id, None)
+        if held is not None:
+            self.cache.release(list(reversed(held.blocks)))
+            self.stats[f"{held.kind}.released.{why}"] += 1
+
+    def _release_holds_until(self, enough: Any, why: str, spare: str = "") -> None:
+        for held in sorted(self._holds.values(), key=lambda h: h.rank, reverse=True):
+            if enough():
+                return
+            if held.session_id != spare:
+                self._unhold(held.session_id, why)
+
+    def _reserve(self) -> int:
+        return int(self.opts.prefetch_reserve_frac * self.cache.num_blocks)
+
+    def make_room(self, req: Request, need: int) -> None:
+        if not self._holds:
+            return
+        own = req.session.session_id
+        releasable = sum(
+            sum(self.cache.ref[b] == 1 for b in h.blocks) for h in self._holds.values() if h.session_id != own
+        )
+        if self.cache.num_free + releasable < need:
+            return
+        self._release_holds_until(lambda: self.cache.num_free >= need, "room", spare=own)
+
+    def _hold_prefetched(self, stall: _Stall) -> None:
+        if not self.opts.hold_prefetched or stall.accounted or stall.resumed:
+            return
+        blocks = []
+        for k in stall.keys:
+            b = self.cache.lookup(k)
+            if b is None:
+                break
+            blocks.append(b)
+        if not blocks:
+            return
+        if stall.ended_at is not None:
+            until = stall.ended_at + self.opts.keep_after_end_s
+        else:
+            until = stall.begin_at + self._expiry(stall.predicted_s)
+        self._hold(stall.session.session_id, blocks, until, rank=stall.returns_at, kind="hold")
+
+    def _expiry(self, predicted: float) -> float:
+        return stall_expiry_s(
+            predicted,
+            factor=self.opts.expiry_factor,
+            min_s=self.opts.expiry_min_s,
+            max_s=self.opts.expiry_max_s,
+        )
+
+    # ------------------------------------------------------------------ engine hooks
+    def on_new_request(self, req: Request) -> None:
+        pass
+
+    def host_match(self, req: Request, first: int, limit: int) -> list[int] | None:
+        sid = req.session.session_id
+        if req.rid not in self._room_at_arrival:
+            self._room_at_arrival[req.rid] = self._room_for_chain(req)
+        job = self._loading_sessions.get(sid)
+        if job is not None:
+            self._arrived_while_loading.add(req.rid)
+            if req.seen_at is not None and self.now - req.seen_at < self.opts.prefetch_wait_s:
+                return None
+        if not self.opts.demand_load or not self.policy.demand_load or self.host.num_blocks == 0:
+            return []
+        found = []
+        for k in req.session.keys(limit, first):
+            slot = self.host.lookup(k)  # type: ignore[arg-type]
+            if slot is None:
+                break
+            found.append(slot)
+        return found
+
+    def load(self, req: Request, first: int, slots: list[int]) -> None:
+        blocks = req.blocks[first : first + len(slots)]
+        job = self._new_job(
+            "load",
+            req.session.keys(first + len(slots), first),
+            list(range(first, first + len(slots))),
+            blocks,
+            slots,
+        )
+        self.host.pin_many(slots, job.owner)
+        self.stats["demand_load.requests"] += 1
+
+    def on_admitted(self, req: Request, local_blocks: int, host_blocks: int) -> None:
+        sid = req.session.session_id
+        for stall in (self._session_stall.get(sid), self._last_stall.get(sid)):
+            if stall is not None:
+                stall.resumed = True
+        if sid in self._holds:
+            self._unhold(sid, "admitted")
+        self._account_next_turn(req, local_blocks, host_blocks)
+        if req.seen_at is not None:
+            self.policy.observe_queue_delay(max(self.now - req.arrival, 0.0))
+
+    def _room_for_chain(self, req: Request) -> bool:
+        sid = req.session.session_id
+        stall = self._last_stall.get(sid) or self._session_stall.get(sid)
+        if stall is None:
+            return True
+        assert self.engine is not None
+        missing = own_idle = 0
+        for k in stall.keys:
+            b = self.cache.lookup(k)
+            if b is None:
+                missing += 1
+            else:
+                own_idle += self.cache.ref[b] == 0
+        queued = self.engine.waiting_blocks(exclude=req)
+        yieldable = sum(
+            sum(self.cache.ref[b] == 1 for b in h.blocks) for h in self._holds.values() if h.session_id != sid
+        )
+        room = self.cache.num_free - own_idle - max(self._reserve(), queued) + yieldable
+        return room >= missing
+
+    def _account_next_turn(self, req: Request, local_blocks: int, host_blocks: int) -> None:
+        sid = req.session.session_id
+        stall = self._last_stall.get(sid)
+        if stall is None or stall.accounted:
+            return
+        stall.accounted = True
+        chain = min(len(stall.keys), (req.prompt_tokens - 1) // self.block_size)
+        device = min(local_blocks, chain)
+        served = min(local_blocks + host_blocks, chain)
+        bs = self.block_size
+        self.stats["next_turn.requests"] += 1
+        self.stats["next_turn.prefix_tokens"] += chain * bs
+        self.stats["next_turn.prefix_tokens_device"] += device * bs
+        self.stats["next_turn.prefix_tokens_host"] += (served - device) * bs
+        self.stats["next_turn.prefix_tokens_recomputed"] += (chain - served) * bs
+        on_device = device >= chain
+        ended = stall.ended_at if stall.ended_at is not None else self.now
+        if chain > 0 and ended - stall.begin_at > stall.lead_s:
+            if req.rid in self._arrived_while_loading:
+                ready = "loading"
+            elif on_device:
+                ready = "prefetched" if stall.prefetched else "not_needed"
+            else:
+                ready = "missed"
+            self.stats["readiness.eligible"] += 1
+            self.stats[f"readiness.{ready}"] += 1
+            if self._room_at_arrival.get(req.rid) is False:
+                self.stats["readiness.no_room"] += 1
+                self.stats[f"readiness.no_room_{ready}"] += 1
+        for _sid, cls in self.planner.on_request(sid, hit_on_device=on_device, now=self.now):
+            self.stats[f"prefetch.{cls}"] += 1
+        self._release_stall(stall)
+        del self._last_stall[sid]
+        self._arrived_while_loading.discard(req.rid)
+        self._room_at_arrival.pop(req.rid, None)
+
+    def _release_stall(self, stall: _Stall) -> None:
+        self.host.release(stall.stall_id)
+        self._demoted.discard(stall)
+
+    def on_finished(self, req: Request) -> None:
+        """A request finished (its blocks are still held): ask the policy, as ``request_finished`` does."""
+        session = req.session
+        full = min(req.num_computed, req.prompt_tokens + req.output_tokens) // self.block_size
+        keys = session.keys(min(full, len(req.blocks)))
+        self._chains[session.session_id] = keys
+        chain = self._chain(keys)
+        reused = [s for _i, _k, _d, s in reversed(chain) if s is not None]
+        if reused:
+            self.host.touch(reused)
+        nxt = req.next_tool
+        if nxt is None and self.policy.uses_events:
+            return
+        predicted, tool = 0.0, None
+        if nxt is not None:
+            tool = nxt[0]
+            predicted = self.forecaster.predict(session.agent_type, tool, nxt[1] or None).seconds
+        view = self._view(chain, predicted, 0.0, session, tool, at_finish=True, announced=nxt is not None)
+        plan = self.policy.on_finished(view)
+        if plan.action == "offload" and not self.opts.offload:
+            plan = Plan("none", "disabled")
+        self._count("finish", plan)
+        if plan.action == "keep":
+            self._hold(
+                session.session_id,
+                [d for _i, _k, d, _s in chain if d is not None],
+                self.now + plan.keep_s,
+                rank=self.now + plan.keep_s,
+                kind="keep",
+            )
+        elif plan.action == "offload":
+            try:
+                self._plan_offload(chain, stall=None, session_id=session.session_id)
+            except HostPoolExhausted:
+                self.stats["early_save.host_pool_full"] += 1
+
+    def stall_begin(self, session: Session, stall_id: str, tool: str, hint_s: float) -> None:
+        fc = self.forecaster.predict(session.agent_type, tool, hint_s or None)
+        keys = tuple(self._chains.get(session.session_id, ()))
+        stall = _Stall(stall_id, session, tool, self.now, fc.seconds, keys)
+        stall.lead_s = (
+            self.transfer.estimate("h2d", len(keys) * self.profile.block_bytes) + self.opts.prefetch_margin_s
+        )
+        self._stalls[stall_id] = stall
+        self._session_stall[session.session_id] = stall
+        self.stats["stalls"] += 1
+        self._evaluate(stall)
+
+    def _evaluate(self, stall: _Stall) -> None:
+        chain = self._chain(stall.keys)
+        view = self._view(
+            chain,
+            stall.predicted_s,
+            max(0.0, self.now - stall.begin_at),
+            stall.session,
+            stall.tool,
+            at_finish=False,
+            announced=False,
+        )
+        plan = self.policy.on_stall(view)
+        if plan.action == "offload" and not self.opts.offload:
+            plan = Plan("none", "disabled")
+        first = stall.decision is None
+        if not first and plan.reason == "no_blocks":
+            stall.retry_at = math.inf
+            return
+        stall.decision = plan.reason
+        if first:
+            self.stats[f"stalls.decision.{plan.reason}"] += 1
+            self._count("stall", plan)
+        sid = stall.session.session_id
+        if plan.action == "keep":
+            self._hold(
+                sid,
+                [d for _i, _k, d, _s in chain if d is not None],
+                self.now + plan.keep_s,
+                rank=self.now + plan.keep_s,
+                kind="keep",
+            )
+        elif plan.action == "discard" and self.opts.demote:
+            self.cache.move(self._chain_blocks(stall, on_host_only=False), front=True)
+        if plan.action != "offload":
+            if plan.retry:
+                base = self.opts.reevaluate_s
+                cap = max(self.opts.retry_max_s or base, base)
+                stall.retry_s = min(max(stall.retry_s * 2, base), cap)
+                self._schedule_retry(stall, self.now + stall.retry_s)
+            else:
+                stall.retry_at = math.inf
+            return
+        stall.evict_first = plan.evict_first
+        try:
+            self._plan_offload(chain, stall=stall, session_id=sid)
+        except HostPoolExhausted:
+            stall.decision = "host_pool_full"
+            self._schedule_retry(stall, self.now + self.opts.reevaluate_s)
+            return
+        stall.retry_at = math.inf
+        for _i, _k, _d, slot in chain:
+            if slot is not None:
+                self.host.pin(slot, stall.stall_id)
+        stall.offloaded = True
+        assert self.engine is not None
+        self.planner.begin(
+            stall.stall_id,
+            sid,
+            stall.predicted_s,
+            self.transfer.estimate("h2d", len(chain) * self.profile.block_bytes)
+            + self.opts.prefetch_margin_s,
+            key=f"{stall.session.agent_type}/{stall.tool}",
+            wait_s=self.engine.step_wait_s(),
+            now=stall.begin_at,
+            mode=plan.prefetch,
+        )
+        if not self._offload_pending(stall):
+            self._demote(stall)
+
+    def stall_end(self, stall_id: str, duration_s: float) -> None:
+        stall = self._stalls.pop(stall_id, None)
+        if stall is None:
+            return
+        sid = stall.session.session_id
+        if self._session_stall.get(sid) is stall:
+            del self._session_stall[sid]
+        stall.ended_at = self.now
+        held = self._holds.get(sid)
+        if held is not None:
+            held.until = min(held.until, self.now + self.opts.keep_after_end_s)
+        self.policy.observe_stall_end(f"{stall.session.agent_type}/{stall.tool}", duration_s)
+        self.forecaster.observe(stall.session.agent_type, stall.tool, duration_s, stall.predicted_s)
+        self._last_stall[sid] = stall
+        self._promote(stall)
+        plan = self.planner.get(stall_id)
+        if plan is not None:
+            if plan.state == "on_device" and not self._chain_on_device(stall):
+                self.planner.mark_evicted(stall_id, now=self.now, retry=False)
+            self.planner.end(stall_id, now=self.now)
+
+    def _chain_on_device(self, stall: _Stall) -> bool:
+        dev = self.cache.by_key
+        missing = [k for k in stall.keys if k not in dev]
+        return not missing or all(s is None for s in self.host.lookup_many(missing))
+
+    # ------------------------------------------------------------------ per step
+    def tick(self, now: float) -> None:
+        assert self.engine is not None
+        for sid, held in list(self._holds.items()):
+            if held.until <= now:
+                self._unhold(sid, "ttl")
+        if self._holds:
+            floor = max(self._reserve(), len(self.engine.running))
+            self._release_holds_until(lambda: self.cache.num_free >= floor, "reserve")
+        waiting = bool(self.engine.waiting)
+        if waiting and not self._was_waiting:
+            # Requests started waiting: every backed-off stall is asked at once, then at the
+            # server's pace again.
+            for stall in self._stalls.values():
+                if stall.retry_s > self.opts.reevaluate_s and math.isfinite(stall.retry_at):
+                    stall.retry_s = 0.0
+                    self._schedule_retry(stall, now)
+        self._was_waiting = waiting
+        heap = self._retries
+        while heap and heap[0][0] <= now:
+            at, _n, stall = heapq.heappop(heap)
+            if stall.retry_at == at and stall.stall_id in self._stalls:
+                if waiting:
+                    stall.retry_s = 0.0
+                self._evaluate(stall)
+        if self.opts.prefetch:
+            # Prefetched chains can only have been lost if something was evicted since last time.
+            evicted, self._seen_evictions = self.cache.evictions != self._seen_evictions, self.cache.evictions
+            for stall in list(self._prefetched_running) if evicted else ():
+                plan = self.planner.get(stall.stall_id)
+                if plan is None or plan.state != "on_device" or plan.ended_at is not None:
+                    self._prefetched_running.discard(stall)
+                elif not self._chain_on_device(stall):
+                    self._prefetched_running.discard(stall)
+                    self.planner.mark_evicted(stall.stall_id, now=now)
+            for stall_id in self.planner.due(now):
+                stall = self._stalls.get(stall_id) or self._last_stall.get(self._session_of(stall_id))
+                if stall is None or stall.stall_id != stall_id:
+                    self.planner.cancel(stall_id, "stall_forgotten")
+                    continue
+                self._try_prefetch(stall)
+        for stall_id in self.planner.expired(now):
+            stall = self._stalls.pop(stall_id, None)
+            if stall is not None and self._session_stall.get(stall.session.session_id) is stall:
+                del self._session_stall[stall.session.session_id]
+            self.host.release(stall_id)
+
+    def _schedule_retry(self, stall: _Stall, at: float) -> None:
+        stall.retry_at = at
+        heapq.heappush(self._retries, (at, next(self._retry_seq), stall))
+
+    def _session_of(self, stall_id: str) -> str:
+        plan = self.planner.get(stall_id)
+        return plan.session_id if plan is not None else ""
+
+    def _try_prefetch(self, stall: _Stall) -> None:
+        assert self.engine is not None
+        self._promote(stall)
+        if self._offload_pending(stall):
+            return
+        need = []
+        own_idle = 0
+        for i, k in enumerate(stall.keys):
+            b = self.cache.lookup(k)
+            if b is not None:
+                own_idle += self.cache.ref[b] == 0
+                continue
+            slot = self.host.lookup(k)  # type: ignore[arg-type]
+            if slot is None:
+                break
+            need.append((i, k, slot))
+        if not need:
+            self.planner.mark_started(stall.stall_id, now=self.now)
+            self.planner.mark_done(stall.stall_id, now=self.now)
+            self.stats["prefetch.not_needed"] += 1
+            return
+        reserve = max(self._reserve(), len(self.engine.running))
+        budget = self.cache.num_free - own_idle - max(reserve, self.engine.waiting_blocks())
+        if budget <= 0:
+            stall.deferred += 1
+            return
+        need = need[:budget]
+        blocks = self.cache.allocate(len(need))
+        job = self._new_job(
+            "prefetch",
+            [k for _i, k, _s in need],
+            [i for i, _k, _s in need],
+            blocks,
+            [s for _i, _k, s in need],
+            stall=stall,
+            session_id=stall.session.session_id,
+        )
+        self.host.pin_many(job.slots, job.owner)
+        stall.prefetch_job = job
+        if self.profile.copies_async:
+            self._loading_sessions[stall.session.session_id] = job
+        self.planner.mark_started(stall.stall_id, now=self.now)
+
+    def next_wake(self) -> float | None:
+        """When an idle engine next has something to do for the extension (the real one is woken)."""
+        first_due = self.planner.due(math.inf)[:1]
+        plan = self.planner.get(first_due[0]) if first_due else None
+        times = [plan.due_at] if plan is not None else []
+        times += [self._retries[0][0]] if self._retries else []
+        times += [h.until for h in self._holds.values()]
+        times += [j.done_at for j in self._jobs]
+        times = [t for t in times if math.isfinite(t)]
+        return max(min(times), self.now) if times else None
+
+    def summary(self) -> dict[str, Any]:
+        c = self.stats
+        eligible = c["readiness.eligible"]
+        ready = c["readiness.prefetched"] + c["readiness.not_needed"] + c["readiness.loading"]
+        prefix = c["next_turn.prefix_tokens"]
+        return {
+            "offloaded_blocks": c["offload.blocks"],
+            "uploaded_blocks": c["prefetch.blocks"] + c["load.blocks"],
+            "demand_loads": c["demand_load.requests"],
+            "next_turn_recomputed_share": c["next_turn.prefix_tokens_recomputed"] / prefix
+            if prefix
+            else None,
+            "ready_rate": ready / eligible if eligible else None,
+            "counters": dict(sorted(c.items())),
+        }

@@ -1,0 +1,160 @@
+"""Predicted vs measured: the stored real bench runs replayed with the ``cpu-measured`` profile.
+
+Each stored ``results.json`` (``docs/bench/``) is a set of real runs: per point, every system ran
+the same seeded apps, in interleaved rounds. Its trace is rebuilt (``presets.from_bench_point``),
+each system is simulated with the run's own device and host KV sizes, and the prediction is
+compared with the measured mean app E2E over the rounds: the error must stay within ``TOLERANCE``
+and the systems must rank the same (ties — measured means within ``TIE`` of each other — may come
+out either way). ``tests/sim/test_validate.py`` keeps the check.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokencake.sim.presets import from_bench_point
+from tokencake.sim.profiles import HardwareProfile, get_profile
+from tokencake.sim.run import SYSTEMS, simulate
+
+__all__ = ["FIT_GRID", "FIXTURES", "TIE", "TOLERANCE", "Row", "fit", "validate"]
+
+TOLERANCE = 0.15
+#: Measured means closer than this (relative) are a tie: their predicted order is not checked.
+TIE = 0.10
+_DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench"
+#: The stored real runs the check uses (preset name → results file).
+FIXTURES: dict[str, Path] = {
+    "ci": _DOCS / "ci-results.json",
+    "headroom": _DOCS / "headroom-r3-results.json",
+    "stress": _DOCS / "policies-stress-results.json",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    preset: str
+    point: str
+    system: str
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.measured_s - 1.0
+
+
+def _measured(results: Mapping[str, Any], label: str, system: str) -> float | None:
+    values = [
+        statistics.fmean(a["e2e_s"] for a in p["systems"][system]["apps"] if a.get("e2e_s") is not None)
+        for p in results["points"]
+        if p.get("base_label", p["label"]).split("#")[0] == label and system in p["systems"]
+    ]
+    return statistics.fmean(values) if values else None
+
+
+def validate(fixtures: Mapping[str, Path] | None = None, profile: HardwareProfile | None = None) -> list[Row]:
+    """Predicted and measured mean app E2E for every system of every stored run."""
+    prof = profile or get_profile("cpu-measured")
+    rows = []
+    for preset, path in (fixtures or FIXTURES).items():
+        results = json.loads(Path(path).read_text())
+        server = results["config"]["server"]
+        done: set[str] = set()
+        for point in results["points"]:
+            label = point.get("base_label", point["label"]).split("#")[0]
+            if label in done:
+                continue
+            done.add(label)
+            trace = from_bench_point(
+                point, "baseline" if "baseline" in point["systems"] else next(iter(point["systems"]))
+            )
+            for name in point["systems"]:
+                if name not in SYSTEMS:
+                    continue
+                measured = _measured(results, label, name)
+                if measured is None:
+                    continue
+                hosts = server.get("host_pool_blocks") or prof.host_blocks
+                blocks = server["ideal_blocks"] if SYSTEMS[name].kv == "ideal" else server["device_blocks"]
+                sim = simulate(trace, prof, name, device_blocks=blocks, host_blocks=hosts)
+                rows.append(Row(preset, label, name, measured, sim.e2e_mean_s))
+    return rows
+
+
+def ranking_violations(rows: Iterable[Row]) -> list[str]:
+    """Pairs of systems of one point whose predicted order contradicts a measured non-tie."""
+    by_point: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        by_point.setdefault((r.preset, r.point), []).append(r)
+    out = []
+    for (preset, point), group in by_point.items():
+        for a in group:
+            for b in group:
+                if a.measured_s < b.measured_s * (1 - TIE) and not a.predicted_s < b.predicted_s:
+                    out.append(
+                        f"{preset}/{point}: {a.system} ({a.measured_s:.1f} s) measured faster than "
+                        f"{b.system} ({b.measured_s:.1f} s) but predicted "
+                        f"{a.predicted_s:.1f} vs {b.predicted_s:.1f}"
+                    )
+    return out
+
+
+def table(rows: Iterable[Row]) -> str:
+    lines = [
+        "| preset | point | system | measured E2E (s) | predicted (s) | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.preset} | {r.point} | {r.system} | {r.measured_s:.1f} | {r.predicted_s:.1f} "
+            f"| {r.error:+.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def dump(rows: Iterable[Row]) -> str:
+    return json.dumps([r.__dict__ | {"error": r.error} for r in rows], indent=1)
+
+
+#: The grid ``fit`` searches: step overhead (s), prefill s/token, attention s/token/context token.
+FIT_GRID: dict[str, tuple[float, ...]] = {
+    "prefill_s_per_token": (0.0030, 0.0035, 0.0040, 0.0045),
+    "step_s": (0.10, 0.15, 0.20),
+    "attn_s_per_token_ctx": (0.0, 4e-7, 8e-7, 1.2e-6, 1.6e-6),
+}
+
+
+def fit(
+    presets: Iterable[str] = ("ci", "headroom"), base: HardwareProfile | None = None
+) -> tuple[float, dict[str, float]]:
+    """The grid point with the smallest worst-case error on ``presets`` (the others stay held out)."""
+    import itertools
+
+    prof = base or get_profile("cpu-measured")
+    fixtures = {p: FIXTURES[p] for p in presets}
+    best: tuple[float, dict[str, float]] | None = None
+    names = list(FIT_GRID)
+    for values in itertools.product(*(FIT_GRID[n] for n in names)):
+        params = dict(zip(names, values, strict=True))
+        rows = validate(fixtures, prof.with_(decode_s_per_seq=0.0, **params))
+        err = max(abs(r.error) for r in rows)
+        if best is None or err < best[0]:
+            best = (err, params)
+    assert best is not None
+    return best
+
+
+if __name__ == "__main__":  # python -m tokencake.sim.validate [--fit]
+    import sys
+
+    if "--fit" in sys.argv:
+        err, params = fit()
+        print(f"best on ci + headroom: worst error {err:.1%} at {params}")
+    rows = validate()
+    print(table(rows))
+    print("\n".join(ranking_violations(rows)) or "ranking: same order as measured (ties excepted)")
