@@ -26,47 +26,17 @@ from typing import TYPE_CHECKING, Any
 from tokencake.serving.forecast import DurationForecaster
 from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remaining_s
 from tokencake.serving.host_pool import HostPool, HostPoolExhausted
+from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
 
 if TYPE_CHECKING:
     from tokencake.sim.engine import Engine, Request, Session
 
-__all__ = ["ExtOptions", "KVExtension"]
+__all__ = ["KVExtension"]
 
 #: Up to this many demoted stalls the simulator re-queues them exactly as the connector does.
 DEMOTE_EXACT = 16
-
-
-@dataclass(frozen=True)
-class ExtOptions:
-    """The connector's knobs, with its defaults (``scheduler_side.Options``)."""
-
-    policy: str = "tokencake"
-    policy_seed: int = 0
-    offload: bool = True
-    prefetch: bool = True
-    demand_load: bool = True
-    demote: bool = True
-    hold_prefetched: bool = True
-    keep_after_end_s: float = 5.0
-    prefetch_margin_s: float = 0.25
-    prefetch_quantile: float | None = 0.1
-    prefetch_prior_ratio: float = 0.5
-    prefetch_reserve_frac: float = 0.05
-    prefetch_wait_s: float = 1.0
-    usage_threshold: float = 0.5
-    min_waiting: int = 1
-    churn_safety: float = 2.0
-    reevaluate_s: float = 0.05
-    #: Simulation only: a retryable "no" is asked again after ``reevaluate_s``, doubling up to this
-    #: while no request waits (the server asks every ``reevaluate_s``; at 1,000 agents with long
-    #: chains that is the simulator's hot loop). ``None`` = exactly as the server.
-    retry_max_s: float | None = None
-    end_grace_s: float = 30.0
-    expiry_factor: float = 4.0
-    expiry_min_s: float = 60.0
-    expiry_max_s: float = 3600.0
 
 
 @dataclass(eq=False)
@@ -119,8 +89,14 @@ class _Hold:
 
 
 class KVExtension:
-    def __init__(self, options: ExtOptions | None = None, *, host_blocks: int) -> None:
-        self.opts = options or ExtOptions()
+    def __init__(
+        self, options: Options | None = None, *, host_blocks: int, retry_max_s: float | None = None
+    ) -> None:
+        """``options`` are the connector's (its defaults); ``retry_max_s`` is the simulator's own:
+        a retryable "no" is asked again after ``reevaluate_s``, doubling up to ``retry_max_s``
+        while no request waits (None: exactly as the server, every ``reevaluate_s``)."""
+        self.opts = options or Options()
+        self.retry_max_s = retry_max_s
         self.host = HostPool(host_blocks)
         self.stats: Counter[str] = Counter()
         self.engine: Engine | None = None
@@ -136,17 +112,23 @@ class KVExtension:
             d2h_bytes_per_s=p.d2h_bytes_per_s, h2d_bytes_per_s=p.h2d_bytes_per_s, base_s=p.copy_base_s
         )
         self.gate = OffloadGate(
-            transfer=self.transfer,
+            self.transfer,
+            enabled=self.opts.offload,
             usage_threshold=self.opts.usage_threshold,
             min_waiting=self.opts.min_waiting,
         )
         self.policy: KVPolicy = make_policy(self.opts.policy, gate=self.gate, seed=self.opts.policy_seed)
         self.forecaster = DurationForecaster()
-        self.planner = PrefetchPlanner(
+        o = self.opts
+        self.planner = PrefetchPlanner(  # as the connector builds it
             clock=lambda: engine.now,
-            safety_margin_s=0.0,
-            return_quantile=self.opts.prefetch_quantile,
-            prior_ratio=self.opts.prefetch_prior_ratio,
+            safety_margin_s=o.prefetch_margin_s,
+            expiry_factor=o.expiry_factor,
+            expiry_min_s=o.expiry_min_s,
+            expiry_max_s=o.expiry_max_s,
+            unused_after_s=o.end_grace_s,
+            return_quantile=o.prefetch_quantile,
+            prior_ratio=o.prefetch_prior_ratio,
         )
         self._stalls: dict[str, _Stall] = {}  # active (tool running)
         self._session_stall: dict[str, _Stall] = {}  # session -> its active stall
@@ -405,7 +387,9 @@ class KVExtension:
                 self._unhold(held.session_id, why)
 
     def _reserve(self) -> int:
-        return int(self.opts.prefetch_reserve_frac * self.cache.num_blocks)
+        return max(
+            self.opts.prefetch_reserve_blocks, int(self.opts.prefetch_reserve_frac * self.cache.num_blocks)
+        )
 
     def make_room(self, req: Request, need: int) -> None:
         if not self._holds:
@@ -633,7 +617,7 @@ class KVExtension:
         if plan.action != "offload":
             if plan.retry:
                 base = self.opts.reevaluate_s
-                cap = max(self.opts.retry_max_s or base, base)
+                cap = max(self.retry_max_s or base, base)
                 stall.retry_s = min(max(stall.retry_s * 2, base), cap)
                 self._schedule_retry(stall, self.now + stall.retry_s)
             else:
@@ -656,8 +640,7 @@ class KVExtension:
             stall.stall_id,
             sid,
             stall.predicted_s,
-            self.transfer.estimate("h2d", len(chain) * self.profile.block_bytes)
-            + self.opts.prefetch_margin_s,
+            self.transfer.estimate("h2d", len(chain) * self.profile.block_bytes),
             key=f"{stall.session.agent_type}/{stall.tool}",
             wait_s=self.engine.step_wait_s(),
             now=stall.begin_at,

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokencake.serving.options import Options
 from tokencake.sim.engine import Engine, Request, Session
-from tokencake.sim.extension import ExtOptions, KVExtension
+from tokencake.sim.extension import KVExtension
 from tokencake.sim.profiles import HardwareProfile
 from tokencake.sim.trace import AppTrace, DelayStep, LLMStep, NodeTrace, ToolStep, Trace
 
@@ -136,7 +137,9 @@ def simulate(
     hosts = profile.host_blocks if host_blocks is None else host_blocks
     ext = None
     if spec.policy is not None:
-        ext = KVExtension(ExtOptions(policy=spec.policy, **spec.options), host_blocks=hosts)
+        opts = dict(spec.options)
+        retry_max_s = opts.pop("retry_max_s", None)
+        ext = KVExtension(Options(policy=spec.policy, **opts), host_blocks=hosts, retry_max_s=retry_max_s)
     engine = Engine(profile, device_blocks=blocks, extension=ext)
     loop = _Loop(engine, profile)
     for app in trace.apps:

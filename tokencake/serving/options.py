@@ -1,0 +1,69 @@
+"""The connector's knobs (``kv_connector_extra_config``): one place for the server and the simulator.
+
+``tokencake/serving/vllm/scheduler_side.py`` acts on them inside vLLM; ``tokencake/sim`` runs the
+same mechanisms on its engine model with the same values. No vLLM import here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokencake.serving.policies import DEFAULT_POLICY
+
+__all__ = ["Options"]
+
+
+@dataclass
+class Options:
+    """Knobs from ``kv_connector_extra_config`` (see ``docs/architecture.md``)."""
+
+    #: The KV policy (``tokencake.serving.policies``): tokencake, offload-all, continuum, infercept,
+    #: stock, random.
+    policy: str = DEFAULT_POLICY
+    policy_seed: int = 0
+    #: A ``keep`` (device pin) ends at most this long after the tool returned (the next request
+    #: normally comes within a step or two; an agent that never sends one must not hold memory).
+    keep_after_end_s: float = 5.0
+    offload: bool = True
+    prefetch: bool = True
+    demand_load: bool = True
+    #: Start saving a session's blocks when its request finishes with a tool call announced.
+    early_save: bool = True
+    #: Move an offloaded idle session's device blocks to the front of vLLM's eviction queue.
+    demote: bool = True
+    #: Hold a prefetched chain on device (one reference per block) until the session's next
+    #: request is admitted. The hold yields whenever a waiting request needs the blocks to be
+    #: admitted, or the free blocks fall below what the running requests may need next step.
+    hold_prefetched: bool = True
+    #: Prefetch starts ``lead = estimated H2D time + wait for the next step + prefetch_margin_s``
+    #: before the return it aims at: the ``prefetch_quantile`` of the learned actual/predicted
+    #: duration ratios × the forecast (``prefetch_prior_ratio`` × forecast before any history).
+    #: None aims at the forecast itself (see tokencake.serving.prefetch).
+    prefetch_margin_s: float = 0.25
+    prefetch_quantile: float | None = 0.1
+    prefetch_prior_ratio: float = 0.5
+    #: A prefetch never takes the device below this many free blocks, nor below what the
+    #: requests waiting for admission need (whichever is larger).
+    prefetch_reserve_blocks: int = 0
+    prefetch_reserve_frac: float = 0.05
+    #: A request waits at most this long for its session's prefetch copy before loading on demand.
+    prefetch_wait_s: float = 1.0
+    #: How often a retryable gate decision (no pressure yet, host full) is asked again.
+    reevaluate_s: float = 0.05
+    #: Host copies stay pinned this long after ``stall_end`` for the session's next request.
+    end_grace_s: float = 30.0
+    #: Expiry of a stall without ``stall_end``: clamp(expiry_factor × predicted, min, max).
+    expiry_factor: float = 4.0
+    expiry_min_s: float = 60.0
+    expiry_max_s: float = 3600.0
+    #: A copy the workers never confirm is given up after this long (pins released).
+    job_timeout_s: float = 60.0
+    #: Gate thresholds (see tokencake.serving.gate). ``usage_threshold`` applies to the eviction
+    #: risk of the session's blocks (see ``SchedulerSide._eviction_risk``): 0.5 = the allocations
+    #: expected before the session returns would use up half the free blocks queued ahead of it.
+    usage_threshold: float = 0.50
+    min_waiting: int = 1
+    #: Allocations expected before a stall ends are ``churn_safety ×`` the measured rate.
+    churn_safety: float = 2.0
+    #: Seconds of step history behind the allocation-rate estimate.
+    churn_window_s: float = 10.0
