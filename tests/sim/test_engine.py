@@ -90,3 +90,19 @@ def test_preemption_by_recompute_when_decode_runs_out_of_blocks() -> None:
     # Each needs 3 blocks by its last token; 4 blocks hold both only until the decodes grow.
     assert engine.preemptions >= 1 and b.preemptions >= 1 and a.preemptions == 0
     assert engine.computed_prompt_tokens > 8  # b's context was computed again
+
+
+def test_priority_scheduling_admits_and_preempts_by_priority() -> None:
+    engine = Engine(PROFILE, device_blocks=4, scheduling="priority")
+    low = Request(0, session("low"), prompt_tokens=4, output_tokens=6, arrival=0.0, priority=5)
+    high = Request(1, session("high"), prompt_tokens=4, output_tokens=6, arrival=0.1, priority=0)
+    engine.submit(low)
+    engine.submit(high)
+    assert list(engine.waiting) == [high, low]  # the queue is ordered by priority, then arrival
+    done = run(engine)
+    assert set(done) == {low, high}
+    # When the decodes outgrow 4 blocks the low-priority request is the victim, though it came first.
+    assert low.preemptions >= 1 and high.preemptions == 0
+    assert high.finished_at < low.finished_at
+    with pytest.raises(ValueError, match="scheduling"):
+        Engine(PROFILE, scheduling="lifo")

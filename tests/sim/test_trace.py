@@ -106,3 +106,16 @@ def test_generated_presets_scale() -> None:
         generate("nope")
     with pytest.raises(ValueError, match="agents"):
         generate("stress", agents=0)
+
+
+def test_priorities_follow_the_critical_path_as_the_sdk_computes_them(tmp_path: Path) -> None:
+    from tokencake.sim.trace import with_priorities
+
+    long = NodeTrace("long", (LLMStep(10, 50), ToolStep("t", 20.0, 1.0), LLMStep(80, 50)))
+    short = NodeTrace("short", (LLMStep(10, 50), ToolStep("t", 5.0, 1.0), LLMStep(80, 50)))
+    join = NodeTrace("join", (LLMStep(10, 50),), after=("long", "short"))
+    app = with_priorities(AppTrace("r", 0.0, (long, short, join)))
+    prio = {n.name: n.priority for n in app.nodes}
+    assert prio == {"long": 0, "join": 0, "short": 15}  # slack 20 - 5 s
+    trace = Trace((app,))
+    assert Trace.read_jsonl(trace.write_jsonl(tmp_path / "p.jsonl")) == trace

@@ -59,6 +59,8 @@ class Request:
     arrival: float
     #: The tool the agent calls after this reply (``next_stall``): (tool, hint seconds).
     next_tool: tuple[str, float] | None = None
+    #: vLLM ``priority`` (lower first; used under ``scheduling="priority"``).
+    priority: int = 0
     num_computed: int = 0
     generated: int = 0
     blocks: list[int] = field(default_factory=list)
@@ -93,7 +95,13 @@ class Engine:
         *,
         device_blocks: int | None = None,
         extension: KVExtension | None = None,
+        scheduling: str = "fcfs",
     ) -> None:
+        """``scheduling``: ``fcfs`` (vLLM's default) or ``priority`` (``--scheduling-policy
+        priority``: the queue by (priority, arrival), the preemption victim the lowest priority)."""
+        if scheduling not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling must be fcfs or priority, got {scheduling!r}")
+        self.scheduling = scheduling
         self.profile = profile
         self.block_size = profile.block_size
         self.cache = BlockCache(device_blocks or profile.device_blocks)
@@ -211,7 +219,7 @@ class Engine:
             need = cdiv(req.num_computed + n, self.block_size) - len(req.blocks)
             ok = True
             while need > self.cache.num_free:
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -276,6 +284,12 @@ class Engine:
             self._enqueue(req, front=True)
         return scheduled, loads
 
+    def _victim(self) -> Request:
+        """FCFS: the latest running request; priority: the lowest priority, then the latest."""
+        if self.scheduling == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival, r.rid))
+        return self.running[-1]
+
     def _preempt(self, req: Request) -> None:
         """vLLM's preemption by recompute: the blocks go, the request waits at the queue's head."""
         self.running.remove(req)
@@ -308,7 +322,16 @@ class Engine:
     def _enqueue(self, req: Request, *, front: bool = False) -> None:
         req.queued_blocks = cdiv(req.total_tokens, self.block_size)
         self._wb += req.queued_blocks
-        if front:
+        if self.scheduling == "priority":
+            key = (req.priority, req.arrival, req.rid)
+            i = len(self.waiting)
+            while (
+                i > 0
+                and (self.waiting[i - 1].priority, self.waiting[i - 1].arrival, self.waiting[i - 1].rid) > key
+            ):
+                i -= 1
+            self.waiting.insert(i, req)
+        elif front:
             self.waiting.appendleft(req)
         else:
             self.waiting.append(req)

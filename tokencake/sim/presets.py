@@ -19,7 +19,16 @@ from typing import Any
 from tokencake.bench import agent_mix
 from tokencake.bench.synthetic import MultiTurnSpec
 from tokencake.bench.synthetic import tool_durations as multi_turn_durations
-from tokencake.sim.trace import AppTrace, DelayStep, LLMStep, NodeTrace, Step, ToolStep, Trace
+from tokencake.sim.trace import (
+    AppTrace,
+    DelayStep,
+    LLMStep,
+    NodeTrace,
+    Step,
+    ToolStep,
+    Trace,
+    with_priorities,
+)
 
 __all__ = ["PRESETS", "from_bench_point", "generate"]
 
@@ -55,7 +64,7 @@ def from_bench_point(point: Mapping[str, Any], calls_from: str = "baseline") -> 
         run_id = arrival["run_id"]
         at = float(arrival["at_s"]) if open_loop else recorded.get(run_id, 0.0)
         nodes = _nodes(arrival["app"], arrival["params"], scale, tokens=lambda n, r=run_id: calls[(r, n)])
-        apps.append(AppTrace(run_id, round(at, 6), nodes))
+        apps.append(with_priorities(AppTrace(run_id, round(at, 6), nodes)))
     return Trace(tuple(apps), {"source": f"bench point {point.get('label')}", "calls_from": calls_from})
 
 
@@ -100,7 +109,11 @@ def generate(
                 "tool_s": list(base[2]),
                 "seed": seed + i,
             }
-            out.append(AppTrace(f"{preset}-{i:05d}", 0.0, _nodes("multi_turn", params, 1.0, tokens=None)))
+            out.append(
+                with_priorities(
+                    AppTrace(f"{preset}-{i:05d}", 0.0, _nodes("multi_turn", params, 1.0, tokens=None))
+                )
+            )
     else:
         total = agents or 4
         n_apps = apps or -(-total // WORKERS_PER_APP)
@@ -119,7 +132,9 @@ def generate(
                 "seed": seed + i,
             }
             out.append(
-                AppTrace(f"stress-{i:05d}", round(t, 6), _nodes("agent_mix", params, 1.0, tokens=None))
+                with_priorities(
+                    AppTrace(f"stress-{i:05d}", round(t, 6), _nodes("agent_mix", params, 1.0, tokens=None))
+                )
             )
             t += rng.expovariate(rate or 0.25)
     return Trace(tuple(out), {"source": f"generated {preset}", "seed": seed})

@@ -140,7 +140,9 @@ def simulate(
         opts = dict(spec.options)
         retry_max_s = opts.pop("retry_max_s", None)
         ext = KVExtension(Options(policy=spec.policy, **opts), host_blocks=hosts, retry_max_s=retry_max_s)
-    engine = Engine(profile, device_blocks=blocks, extension=ext)
+    # The bench's extension servers run vLLM's priority scheduler (the SDK's critical-path
+    # priorities); stock vLLM runs FCFS.
+    engine = Engine(profile, device_blocks=blocks, extension=ext, scheduling="priority" if ext else "fcfs")
     loop = _Loop(engine, profile)
     for app in trace.apps:
         loop.at(app.arrival_s, lambda a=app: loop.start_app(a))
@@ -236,6 +238,7 @@ class _Loop:
                     step.output_tokens,
                     self._event_time,
                     announced,
+                    priority=node.priority,
                 )
                 self.requests.append(req)
                 self._pending_req = req

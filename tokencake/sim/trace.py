@@ -17,12 +17,15 @@ actual_s]}``, ``{"delay": seconds}`` (agent-side time that is neither: a stagger
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tokencake.events import GraphMeta, priority_from_graph
 
 if TYPE_CHECKING:
     from tokencake.agents import RunResult
@@ -68,6 +71,9 @@ class NodeTrace:
     after: tuple[str, ...] = ()
     prefix_group: str | None = None
     prefix_tokens: int = 0
+    #: vLLM ``priority`` of its requests (lower first), as the SDK sends it: 0 on the app's critical
+    #: path, else the node's slack in whole seconds (``tokencake.events.priority_from_graph``).
+    priority: int = 0
 
     @property
     def llm_calls(self) -> int:
@@ -182,8 +188,54 @@ def app_from_run(result: RunResult, *, arrival_s: float = 0.0) -> AppTrace:
                 )
                 pending_tool, last = None, ev.ts
         after = tuple(graph.predecessors(name)) if graph is not None and name in graph else ()
-        nodes.append(NodeTrace(name, tuple(steps), agent_type or name, after))
+        nodes.append(
+            NodeTrace(name, tuple(steps), agent_type or name, after, priority=_priority(graph, name))
+        )
     return AppTrace(result.run_id, arrival_s, tuple(nodes))
+
+
+def _priority(graph: Any, name: str) -> int:
+    """The priority the SDK sent for ``name``: from the run's graph metadata (0 when unknown)."""
+    if graph is None or name not in graph:
+        return 0
+    attrs = graph.nodes[name]
+    meta = GraphMeta(
+        on_critical_path=bool(attrs.get("on_critical_path", False)), slack_s=float(attrs.get("slack_s", 0.0))
+    )
+    return priority_from_graph(meta)
+
+
+def with_priorities(app: AppTrace, llm_s_per_output_token: float = 0.02) -> AppTrace:
+    """``app`` with each node's priority computed as the SDK does: node weight = its LLM time
+    (output tokens of its first call × 0.02 s, the SDK's default) + the hints of its tools; the
+    critical path is the longest weighted path; a node off it gets its slack in whole seconds."""
+    weight = {}
+    for n in app.nodes:
+        calls = [s for s in n.steps if isinstance(s, LLMStep)]
+        tools = sum(s.predicted_s for s in n.steps if isinstance(s, ToolStep))
+        weight[n.name] = (calls[0].output_tokens * llm_s_per_output_token if calls else 0.0) + tools
+    nodes = {n.name: n for n in app.nodes}
+    order: list[str] = []
+    done: set[str] = set()
+    while len(order) < len(nodes):
+        for n in app.nodes:
+            if n.name not in done and set(n.after) <= done:
+                order.append(n.name)
+                done.add(n.name)
+    down: dict[str, float] = {}  # longest path from the node to a sink, inclusive
+    for name in reversed(order):
+        succ = [m for m in order if name in nodes[m].after]
+        down[name] = weight[name] + max((down[m] for m in succ), default=0.0)
+    up: dict[str, float] = {}  # longest path from a source to the node, inclusive
+    for name in order:
+        up[name] = weight[name] + max((up[d] for d in nodes[name].after), default=0.0)
+    critical = max(down.values(), default=0.0)
+    out = []
+    for n in app.nodes:
+        slack = critical - (up[n.name] + down[n.name] - weight[n.name])
+        meta = GraphMeta(on_critical_path=slack <= 1e-9, slack_s=max(slack, 0.0))
+        out.append(dataclasses.replace(n, priority=priority_from_graph(meta)))
+    return dataclasses.replace(app, nodes=tuple(out))
 
 
 # ---------------------------------------------------------------------- validation / JSON
@@ -271,6 +323,7 @@ def _app_to_json(app: AppTrace) -> dict[str, Any]:
                     if n.prefix_group
                     else {}
                 ),
+                **({"priority": n.priority} if n.priority else {}),
                 "steps": [_step_to_json(s) for s in n.steps],
             }
             for n in app.nodes
@@ -287,6 +340,7 @@ def _app_from_json(obj: Mapping[str, Any]) -> AppTrace:
             tuple(str(a) for a in n.get("after", ())),
             n.get("prefix_group"),
             int(n.get("prefix_tokens") or 0),
+            int(n.get("priority") or 0),
         )
         for n in obj["nodes"]
     )
