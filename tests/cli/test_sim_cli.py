@@ -78,3 +78,14 @@ def test_bad_input_is_one_clear_line(
 def test_validate_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--validate"]) == 0
     assert "OK" in capsys.readouterr().out
+
+
+def test_a_recorded_run_replays(tmp_path: Path) -> None:
+    trace = tmp_path / "dr.jsonl"
+    assert main(["run", "deep-research", "--scripted", "--no-live", "--json", "--trace", str(trace)]) == 0
+    from tokencake.sim import Trace
+
+    recorded = Trace.read_jsonl(trace)
+    (app,) = recorded.apps
+    assert {n.name for n in app.nodes} >= {"planner", "writer"} and recorded.num_llm_calls >= 4
+    assert main(["sim", "--trace", str(trace), "--policies", "baseline,tokencake", "--jobs", "1"]) == 0

@@ -80,6 +80,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", help="directory for the run's sandbox (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print only a JSON result on stdout")
     p.add_argument("--no-live", action="store_true", help="no live view, even on a terminal")
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="also write the run as a `tokencake sim` trace (JSONL: every LLM call's tokens, every tool's "
+        "hint and duration, the DAG)",
+    )
     p.set_defaults(func=cmd_run)
 
     p = subparsers.add_parser(
@@ -525,6 +531,13 @@ def _run_and_report(args: argparse.Namespace, app: Any, inputs: dict[str, str], 
             error += f" (is a server running at {llm.base_url}? use --base-url URL, or --scripted offline)"
     except tc.MissingInput as exc:
         raise _error(str(exc)) from None
+    if args.trace:
+        from tokencake.sim.trace import Trace
+
+        try:
+            Trace.from_runs([(0.0, result)], source=f"tokencake run {args.app}").write_jsonl(args.trace)
+        except (OSError, ValueError) as exc:
+            raise _error(f"could not write the trace: {exc}") from None
 
     if args.json:
         doc = run_document(

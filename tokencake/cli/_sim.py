@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from tokencake.sim.presets import generate
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # piped to a file: do not squeeze the table to 80 columns
     if args.validate:
         return _validate(console, args.json)
     systems = [s.strip() for s in args.policies.split(",") if s.strip()]
