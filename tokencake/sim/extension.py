@@ -137,7 +137,8 @@ class KVExtension:
         self._jobs: list[_Job] = []
         self._filling: dict[bytes, _Job] = {}
         self._holds: dict[str, _Hold] = {}
-        self._demoted: set[_Stall] = set()
+        # Insertion-ordered (dicts, not sets): the simulation must not depend on object addresses.
+        self._demoted: dict[_Stall, None] = {}
         self._pending_copy_s = 0.0
         self._stream_free_at = 0.0
         self._next_job = 0
@@ -149,7 +150,7 @@ class KVExtension:
         self._retry_seq = itertools.count()
         self._was_waiting = False
         #: Stalls whose chain a prefetch put back while the tool still runs (checked for eviction).
-        self._prefetched_running: set[_Stall] = set()
+        self._prefetched_running: dict[_Stall, None] = {}
 
     @property
     def now(self) -> float:
@@ -315,7 +316,7 @@ class KVExtension:
             stall.prefetch_job = None
             self.planner.mark_done(stall.stall_id, now=self.now)
             if stall.ended_at is None:
-                self._prefetched_running.add(stall)
+                self._prefetched_running[stall] = None
             self._hold_prefetched(stall)
 
     def _complete_load(self, job: _Job) -> None:
@@ -339,7 +340,7 @@ class KVExtension:
     def _demote(self, stall: _Stall) -> None:
         if not self.opts.demote or not stall.evict_first or stall.stall_id not in self._stalls:
             return
-        self._demoted.add(stall)
+        self._demoted[stall] = None
         # The connector re-queues every demoted chain, latest return first in line. When the new
         # stall returns last (the usual case) only its chain moves: the same order, O(chain).
         # Beyond DEMOTE_EXACT demoted stalls the simulator moves only the new chain (an
@@ -347,7 +348,7 @@ class KVExtension:
         if len(self._demoted) > DEMOTE_EXACT or all(s.returns_at <= stall.returns_at for s in self._demoted):
             order = [stall]
         else:
-            order = sorted(self._demoted, key=lambda s: s.returns_at)
+            order = sorted(self._demoted, key=lambda s: (s.returns_at, s.stall_id))
         for s in order:
             self.stats["evict_order.demoted_blocks"] += self.cache.move(
                 self._chain_blocks(s, on_host_only=True), front=True
@@ -355,7 +356,7 @@ class KVExtension:
 
     def _promote(self, stall: _Stall) -> None:
         if stall in self._demoted:
-            self._demoted.discard(stall)
+            del self._demoted[stall]
             self.cache.move(self._chain_blocks(stall, on_host_only=False), front=False)
 
     # ------------------------------------------------------------------ holds (keep / prefetched)
@@ -517,6 +518,7 @@ class KVExtension:
                 ready = "prefetched" if stall.prefetched else "not_needed"
             else:
                 ready = "missed"
+                self.stats[f"readiness.missed_why.{self._why_missed(stall, req)}"] += 1
             self.stats["readiness.eligible"] += 1
             self.stats[f"readiness.{ready}"] += 1
             if self._room_at_arrival.get(req.rid) is False:
@@ -529,9 +531,22 @@ class KVExtension:
         self._arrived_while_loading.discard(req.rid)
         self._room_at_arrival.pop(req.rid, None)
 
+    def _why_missed(self, stall: _Stall, req: Request) -> str:
+        """The connector's ``_why_missed``: why the chain was not on device at the request."""
+        if self._room_at_arrival.get(req.rid) is False:
+            return "no_room"
+        plan = self.planner.get(stall.stall_id)
+        if plan is None or plan.mode != "predictive":
+            return "not_planned"
+        if plan.state == "waiting":
+            return "deferred" if stall.deferred else "early_return"
+        if plan.state in ("on_device", "evicted"):
+            return "evicted" if plan.evictions else "partial"
+        return plan.state
+
     def _release_stall(self, stall: _Stall) -> None:
         self.host.release(stall.stall_id)
-        self._demoted.discard(stall)
+        self._demoted.pop(stall, None)
 
     def on_finished(self, req: Request) -> None:
         """A request finished (its blocks are still held): ask the policy, as ``request_finished`` does."""
@@ -706,9 +721,9 @@ class KVExtension:
             for stall in list(self._prefetched_running) if evicted else ():
                 plan = self.planner.get(stall.stall_id)
                 if plan is None or plan.state != "on_device" or plan.ended_at is not None:
-                    self._prefetched_running.discard(stall)
+                    self._prefetched_running.pop(stall, None)
                 elif not self._chain_on_device(stall):
-                    self._prefetched_running.discard(stall)
+                    self._prefetched_running.pop(stall, None)
                     self.planner.mark_evicted(stall.stall_id, now=now)
             for stall_id in self.planner.due(now):
                 stall = self._stalls.get(stall_id) or self._last_stall.get(self._session_of(stall_id))
