@@ -488,11 +488,13 @@ class KVExtension:
             else:
                 own_idle += self.cache.ref[b] == 0
         queued = self.engine.waiting_blocks(exclude=req)
+        room = self.cache.num_free - own_idle - max(self._reserve(), queued)
+        if room >= missing:
+            return True
         yieldable = sum(
             sum(self.cache.ref[b] == 1 for b in h.blocks) for h in self._holds.values() if h.session_id != sid
         )
-        room = self.cache.num_free - own_idle - max(self._reserve(), queued) + yieldable
-        return room >= missing
+        return room + yieldable >= missing
 
     def _account_next_turn(self, req: Request, local_blocks: int, host_blocks: int) -> None:
         sid = req.session.session_id
@@ -750,24 +752,30 @@ class KVExtension:
         self._promote(stall)
         if self._offload_pending(stall):
             return
-        need = []
-        own_idle = 0
-        for i, k in enumerate(stall.keys):
-            b = self.cache.lookup(k)
-            if b is not None:
-                own_idle += self.cache.ref[b] == 0
-                continue
-            slot = self.host.lookup(k)  # type: ignore[arg-type]
-            if slot is None:
-                break
-            need.append((i, k, slot))
-        if not need:
+        # The connector's walk (device hit → count it if idle; else host copy → upload it; else
+        # stop), done in cheap passes with the same outcome: what is missing on device (dict
+        # lookups), an upper bound of the budget (own idle blocks only lower it), then the host.
+        keys, by_key, ref = stall.keys, self.cache.by_key, self.cache.ref
+        missing = [(i, k) for i, k in enumerate(keys) if k not in by_key]
+        if not missing or self.host.lookup(missing[0][1]) is None:  # type: ignore[arg-type]
             self.planner.mark_started(stall.stall_id, now=self.now)
             self.planner.mark_done(stall.stall_id, now=self.now)
             self.stats["prefetch.not_needed"] += 1
             return
         reserve = max(self._reserve(), len(self.engine.running))
-        budget = self.cache.num_free - own_idle - max(reserve, self.engine.waiting_blocks())
+        bound = self.cache.num_free - max(reserve, self.engine.waiting_blocks())
+        if bound <= 0:
+            stall.deferred += 1
+            return
+        need = []
+        stop = len(keys)
+        for (i, k), slot in zip(missing, self.host.lookup_many([k for _i, k in missing]), strict=True):
+            if slot is None:
+                stop = i
+                break
+            need.append((i, k, slot))
+        own_idle = sum(1 for k in keys[:stop] if k in by_key and ref[by_key[k]] == 0)
+        budget = bound - own_idle
         if budget <= 0:
             stall.deferred += 1
             return
