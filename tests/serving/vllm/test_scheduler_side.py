@@ -552,6 +552,21 @@ def test_offloaded_session_is_evicted_first_latest_return_first(pool: BlockPool,
     assert_no_pins(pool)
 
 
+def test_demotion_order_is_by_return_whatever_order_the_copies_finish(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False, host_blocks=12)
+    chains = {name: chain(name, 2) for name in ("x", "y", "z")}
+    returns = {"x": 30.0, "y": 10.0, "z": 20.0}
+    for name, hashes in chains.items():
+        finish_turn(side, pool, hashes, req_id=f"r{name}", session=f"run:{name}")
+    for name in ("x", "y", "z"):  # x (returns last) is confirmed first, then y, then z (middle)
+        side.handle_event(begin(f"s{name}", f"run:{name}", predicted=returns[name]))
+        answer(side, side.build_meta())
+    rank = bp.eviction_rank(pool)
+    first = {name: min(rank[bp.cached_block(pool, h).block_id] for h in hs) for name, hs in chains.items()}
+    assert first["x"] < first["z"] < first["y"]  # latest return first in line, whatever the order
+    assert_no_pins(pool)
+
+
 def test_early_save_keeps_the_tail_that_eviction_would_take(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch=False)
     hashes = chain("t", 4)

@@ -1217,10 +1217,14 @@ class SchedulerSide:
         if not stall.evict_first:
             return
         self._demoted.add(stall.stall_id)
-        order = sorted(
-            (s for s in (self._stalls.get(sid) for sid in self._demoted) if s is not None),
-            key=lambda s: s.returns_at,
-        )
+        demoted = [s for s in (self._stalls.get(sid) for sid in self._demoted) if s is not None]
+        if all(s.returns_at <= stall.returns_at for s in demoted):
+            # It returns last (the usual case: it began last): only its chain moves to the front,
+            # in front of the others' — the order a full re-queue gives, in O(chain) instead of
+            # O(demoted × chain) (a thousand stalled sessions with long chains on a GPU).
+            order = [stall]
+        else:
+            order = sorted(demoted, key=lambda s: s.returns_at)
         moved = 0
         for s in order:  # each batch goes in front of the previous one: the latest return ends first
             moved += bp.reorder(self.pool, self._chain_blocks(s, on_host_only=True), first=True)
