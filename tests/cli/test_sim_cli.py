@@ -65,6 +65,8 @@ def test_a_sweep_writes_results_and_a_plot(tmp_path: Path, capsys: pytest.Captur
         (["--agents", "x"], "--agents"),
         (["--agents", "0"], "--agents"),
         (["--trace", "/nonexistent.jsonl"], "nonexistent"),
+        (["--rate", "0"], "--rate"),
+        (["--turns", "0"], "--turns"),
     ],
 )
 def test_bad_input_is_one_clear_line(

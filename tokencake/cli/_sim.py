@@ -113,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "host_blocks" else 1):
             raise CLIError(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'host_blocks' else 1}")
+    if args.rate is not None and not args.rate > 0:
+        raise CLIError("--rate must be > 0 (app arrivals per second)")
+    if args.retry_max_s is not None and not args.retry_max_s > 0:
+        raise CLIError("--retry-max-s must be > 0")
     points: list[dict[str, Any]] = []
     for agents in _agents(args.agents):
         try:
