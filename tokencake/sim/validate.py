@@ -30,8 +30,9 @@ _DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench"
 #: The stored real runs the check uses (preset name → results file).
 FIXTURES: dict[str, Path] = {
     "ci": _DOCS / "ci-results.json",
-    "headroom": _DOCS / "headroom-r3-results.json",
+    "headroom": _DOCS / "headroom-hold-results.json",
     "stress": _DOCS / "policies-stress-results.json",
+    "stress-hold": _DOCS / "stress-hold-results.json",
 }
 
 
