@@ -258,3 +258,19 @@ def test_none_mode_is_never_due() -> None:
     assert planner.due(now=100.0) == []
     with pytest.raises(ValueError, match="mode must be"):
         planner.begin("t", "A", 1.0, 0.1, mode="soon")
+
+
+def test_miss_reasons_name_what_kept_the_chain_off_device() -> None:
+    from tokencake.serving.prefetch import PlannedStall, miss_reason
+
+    def plan(state: str, **kw: object) -> PlannedStall:
+        return PlannedStall("s", "a", 0.0, 3.0, 0.1, 2.0, 60.0, state=state, **kw)  # type: ignore[arg-type]
+
+    assert miss_reason(plan("waiting"), room_at_arrival=False, deferred=0) == "no_room"
+    assert miss_reason(None, room_at_arrival=True, deferred=0) == "not_planned"
+    assert miss_reason(plan("waiting", mode="at_end"), room_at_arrival=None, deferred=0) == "not_planned"
+    assert miss_reason(plan("waiting"), room_at_arrival=True, deferred=0) == "early_return"
+    assert miss_reason(plan("waiting"), room_at_arrival=True, deferred=2) == "deferred"
+    assert miss_reason(plan("on_device"), room_at_arrival=True, deferred=0) == "partial"
+    assert miss_reason(plan("evicted", evictions=1), room_at_arrival=True, deferred=0) == "evicted"
+    assert miss_reason(plan("prefetching"), room_at_arrival=True, deferred=0) == "prefetching"

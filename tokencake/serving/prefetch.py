@@ -41,12 +41,32 @@ __all__ = [
     "PlannedStall",
     "PrefetchPlanner",
     "PrefetchState",
+    "miss_reason",
     "stall_expiry_s",
 ]
 
 PrefetchState = Literal["waiting", "prefetching", "on_device", "evicted", "cancelled", "done"]
 Classification = Literal["on_time", "late", "wasted", "unused", "expired"]
 CLASSIFICATIONS: tuple[str, ...] = ("on_time", "late", "wasted", "unused", "expired")
+
+
+def miss_reason(plan: PlannedStall | None, *, room_at_arrival: bool | None, deferred: int) -> str:
+    """Why a stall's chain was not on device when its next request came (``readiness.missed_why``).
+
+    ``no_room``: running and queued requests held the device at arrival; ``not_planned``: no
+    predictive upload was planned; ``early_return``: the tool came back before the upload was due;
+    ``deferred``: due, but the budget had no room; ``partial``: only the chain's head was uploaded;
+    ``evicted``: uploaded, then lost; else the plan's state (e.g. ``prefetching``).
+    """
+    if room_at_arrival is False:
+        return "no_room"
+    if plan is None or plan.mode != "predictive":
+        return "not_planned"
+    if plan.state == "waiting":
+        return "deferred" if deferred else "early_return"
+    if plan.state in ("on_device", "evicted"):
+        return "evicted" if plan.evictions else "partial"
+    return plan.state
 
 
 def stall_expiry_s(

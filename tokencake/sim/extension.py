@@ -28,7 +28,7 @@ from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remain
 from tokencake.serving.host_pool import HostPool, HostPoolExhausted
 from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
-from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
+from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
 
 if TYPE_CHECKING:
     from tokencake.sim.engine import Engine, Request, Session
@@ -520,7 +520,12 @@ class KVExtension:
                 ready = "prefetched" if stall.prefetched else "not_needed"
             else:
                 ready = "missed"
-                self.stats[f"readiness.missed_why.{self._why_missed(stall, req)}"] += 1
+                why = miss_reason(
+                    self.planner.get(stall.stall_id),
+                    room_at_arrival=self._room_at_arrival.get(req.rid),
+                    deferred=stall.deferred,
+                )
+                self.stats[f"readiness.missed_why.{why}"] += 1
             self.stats["readiness.eligible"] += 1
             self.stats[f"readiness.{ready}"] += 1
             if self._room_at_arrival.get(req.rid) is False:
@@ -532,19 +537,6 @@ class KVExtension:
         del self._last_stall[sid]
         self._arrived_while_loading.discard(req.rid)
         self._room_at_arrival.pop(req.rid, None)
-
-    def _why_missed(self, stall: _Stall, req: Request) -> str:
-        """The connector's ``_why_missed``: why the chain was not on device at the request."""
-        if self._room_at_arrival.get(req.rid) is False:
-            return "no_room"
-        plan = self.planner.get(stall.stall_id)
-        if plan is None or plan.mode != "predictive":
-            return "not_planned"
-        if plan.state == "waiting":
-            return "deferred" if stall.deferred else "early_return"
-        if plan.state in ("on_device", "evicted"):
-            return "evicted" if plan.evictions else "partial"
-        return plan.state
 
     def _release_stall(self, stall: _Stall) -> None:
         self.host.release(stall.stall_id)

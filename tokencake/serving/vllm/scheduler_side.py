@@ -55,7 +55,7 @@ from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remain
 from tokencake.serving.host_pool import HostPool, HostPoolExhausted
 from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
-from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
+from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.sessions import ByteLRU, SessionTracker, StallTransition, hashes_nbytes
 from tokencake.serving.stats import Stats
@@ -845,7 +845,12 @@ class SchedulerSide:
                 ready = "prefetched" if stall.prefetched else "not_needed"
             else:
                 ready = "missed"
-                self.stats.inc(f"readiness.missed_why.{self._why_missed(stall, info)}")
+                why = miss_reason(
+                    self.planner.get(stall.stall_id),
+                    room_at_arrival=info.room_at_arrival,
+                    deferred=stall.deferred,
+                )
+                self.stats.inc(f"readiness.missed_why.{why}")
             self.stats.inc("readiness.eligible")
             self.stats.inc(f"readiness.{ready}")
             if info.room_at_arrival is False:
@@ -868,19 +873,6 @@ class SchedulerSide:
         # stay indexed (LRU-reclaimable) for later hits. The record (and its hashes) is done.
         self._release_stall(stall.stall_id)
         self._last_stall.pop(session_id)
-
-    def _why_missed(self, stall: _Stall, info: _ReqInfo) -> str:
-        """Why a session's chain was not on device when its request came (a readiness miss)."""
-        if info.room_at_arrival is False:
-            return "no_room"
-        plan = self.planner.get(stall.stall_id)
-        if plan is None or plan.mode != "predictive":
-            return "not_planned"
-        if plan.state == "waiting":
-            return "deferred" if stall.deferred else "early_return"
-        if plan.state in ("on_device", "evicted"):
-            return "evicted" if plan.evictions else "partial"
-        return plan.state
 
     def _release_stall(self, stall_id: str) -> None:
         """Unpin a stall's host copies and forget it (a prefetch in flight keeps its own pins)."""
