@@ -12,7 +12,6 @@ connector: a new request, admission, the step, a finished request, copies comple
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -341,6 +340,3 @@ class Engine:
         self._wb -= req.queued_blocks
         req.queued_blocks = 0
         return req
-
-    def usage(self) -> float:
-        return self.cache.num_used / self.cache.num_blocks if math.isfinite(self.cache.num_blocks) else 0.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -345,7 +345,3 @@ def _app_from_json(obj: Mapping[str, Any]) -> AppTrace:
         for n in obj["nodes"]
     )
     return AppTrace(str(obj["run_id"]), float(obj["arrival_s"]), nodes)
-
-
-def iter_llm_steps(node: NodeTrace) -> Iterator[LLMStep]:
-    return (s for s in node.steps if isinstance(s, LLMStep))
