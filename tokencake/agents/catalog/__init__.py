@@ -27,6 +27,7 @@ from typing import Any
 
 import tokencake as tc
 from tokencake.agents.catalog import code_writer, deep_research, map_reduce, rag, tool_agent
+from tokencake.agents.catalog._env import ENV_DEFAULTS
 from tokencake.agents.catalog._latency import LatencyModel
 
 
@@ -78,7 +79,8 @@ def app_names() -> list[str]:
 def build_params(name: str) -> dict[str, Any]:
     """Build parameters of app ``name`` and their defaults."""
     sig = inspect.signature(_module(name).build)
-    return {p.name: p.default for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    own = {p.name: p.default for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return {**ENV_DEFAULTS, **own}
 
 
 def get_app(name: str, **params: Any) -> tc.App:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import re
 import threading
 from collections import OrderedDict
@@ -18,12 +19,16 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
+import tokencake as tc
 from tokencake.agents.catalog._corpus import Corpus, bundled_corpus
 from tokencake.agents.catalog._latency import LatencyModel
 from tokencake.agents.catalog._material import parse_level
 from tokencake.agents.catalog._sandbox import Sandbox
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 _CURRENT: contextvars.ContextVar[RunState | None] = contextvars.ContextVar(
     "tokencake_catalog_run", default=None
@@ -154,3 +159,27 @@ class AppEnv:
 
 
 __all__ = ["MAX_RUNS", "AppEnv", "RunState"]
+
+
+class EnvOptions(TypedDict, total=False):
+    """The build parameters every catalog app takes (see ``tokencake.agents.catalog``)."""
+
+    latency: str | LatencyModel | None
+    seed: int | None
+    noise: float
+    workdir: str | Path | None
+    token_scale: float
+    context: str
+
+
+#: Their defaults, as ``AppEnv`` has them (``build_params`` lists them before an app's own).
+ENV_DEFAULTS: dict[str, Any] = {
+    name: p.default
+    for name, p in inspect.signature(AppEnv).parameters.items()
+    if name in EnvOptions.__annotations__
+}
+
+
+def new_app(name: str, description: str, **options: Unpack[EnvOptions]) -> tuple[AppEnv, tc.App]:
+    """What every catalog ``build`` starts with: the app's shared state and its empty App."""
+    return AppEnv(name, **options), tc.App(name, inputs=["task"], description=description)

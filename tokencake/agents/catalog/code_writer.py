@@ -19,11 +19,11 @@ import ast
 import json
 import re
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokencake as tc
 from tokencake.agents.catalog._corpus import query_terms
-from tokencake.agents.catalog._env import AppEnv
+from tokencake.agents.catalog._env import EnvOptions, new_app
 from tokencake.agents.catalog._material import document_text, prose, python_module, rng_for, runner_log
 from tokencake.agents.catalog._sandbox import SandboxError
 from tokencake.agents.catalog._text import (
@@ -34,6 +34,9 @@ from tokencake.agents.catalog._text import (
     one_line,
     python_paths,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 NAME = "code-writer"
 SHAPE = "deep DAG: 2 planning rounds → 3 programmers → 2 reviewers → 2 revisers → eval → test"
@@ -141,29 +144,14 @@ def _verdict(text: str) -> bool:
 
 def build(
     *,
-    latency: str = "real",
-    seed: int | None = None,
-    noise: float = 0.0,
-    workdir: str | None = None,
-    token_scale: float = 1.0,
-    context: str = "realistic",
     test_timeout: float = 30.0,
+    **options: Unpack[EnvOptions],
 ) -> tc.App:
     """The code-writer app (see the module docstring); ``test_timeout`` bounds each test subprocess."""
-    env = AppEnv(
-        NAME,
-        latency=latency,
-        seed=seed,
-        noise=noise,
-        workdir=workdir,
-        token_scale=token_scale,
-        context=context,
-    )
+    env, app = new_app(NAME, DESCRIPTION, **options)
 
     def size(what: str) -> int:
         return env.size(SIZES[what])
-
-    app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     # ------------------------------------------------------------------ tools
 

@@ -11,13 +11,16 @@ it cites corpus documents even when the model forgets to.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokencake as tc
 from tokencake.agents.catalog._corpus import bundled_corpus, query_terms
-from tokencake.agents.catalog._env import AppEnv
+from tokencake.agents.catalog._env import EnvOptions, new_app
 from tokencake.agents.catalog._material import document_text
 from tokencake.agents.catalog._text import citations, clip, numbered_lines, one_line
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 NAME = "deep-research"
 SHAPE = "fan-out/fan-in: planner → N × (search+read → summary) → synthesizer → critic → writer"
@@ -39,28 +42,14 @@ _ANGLES = ("background", "mechanisms", "trade-offs", "measurements", "failure mo
 
 def build(
     *,
-    latency: str = "real",
-    seed: int | None = None,
-    noise: float = 0.0,
-    workdir: str | None = None,
-    token_scale: float = 1.0,
-    context: str = "realistic",
     branches: int = 3,
+    **options: Unpack[EnvOptions],
 ) -> tc.App:
     """The deep-research app with ``branches`` parallel search+read branches (1..16)."""
     if not isinstance(branches, int) or not 1 <= branches <= 16:
         raise ValueError(f"branches must be an int in 1..16, got {branches!r}")
-    env = AppEnv(
-        NAME,
-        latency=latency,
-        seed=seed,
-        noise=noise,
-        workdir=workdir,
-        token_scale=token_scale,
-        context=context,
-    )
+    env, app = new_app(NAME, DESCRIPTION, **options)
     doc_tokens = env.size(DOC_TOKENS)
-    app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     @app.tool(predict_time=T_SEARCH, kind="search", stages=SEARCH_STAGES, timeout=60.0)
     async def search_corpus(query: str, k: int = 4) -> list[dict[str, Any]]:

@@ -7,13 +7,16 @@ document (a tool stall), then summarises it; the reducer merges the partial summ
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokencake as tc
 from tokencake.agents.catalog._corpus import bundled_corpus
-from tokencake.agents.catalog._env import AppEnv
+from tokencake.agents.catalog._env import EnvOptions, new_app
 from tokencake.agents.catalog._material import document_text
 from tokencake.agents.catalog._text import citations, clip
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 NAME = "map-reduce"
 SHAPE = "wide fan-out: split → W mappers (shared system-prompt prefix) → reduce"
@@ -39,27 +42,13 @@ MAPPER_SYSTEM = (
 
 def build(
     *,
-    latency: str = "real",
-    seed: int | None = None,
-    noise: float = 0.0,
-    workdir: str | None = None,
-    token_scale: float = 1.0,
-    context: str = "realistic",
     width: int = 6,
+    **options: Unpack[EnvOptions],
 ) -> tc.App:
     """The map-reduce app with ``width`` parallel mappers (1..32)."""
     if not isinstance(width, int) or not 1 <= width <= 32:
         raise ValueError(f"width must be an int in 1..32, got {width!r}")
-    env = AppEnv(
-        NAME,
-        latency=latency,
-        seed=seed,
-        noise=noise,
-        workdir=workdir,
-        token_scale=token_scale,
-        context=context,
-    )
-    app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
+    env, app = new_app(NAME, DESCRIPTION, **options)
 
     @app.tool(predict_time=T_SEARCH, kind="search")
     async def search_corpus(query: str, k: int = 6) -> list[dict[str, Any]]:

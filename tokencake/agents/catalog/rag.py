@@ -8,14 +8,17 @@ over the bundled corpus.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokencake as tc
 from tokencake.agents.catalog._corpus import bundled_corpus, query_terms
 from tokencake.agents.catalog._embedding import DEFAULT_DIM, VectorIndex, embed
-from tokencake.agents.catalog._env import AppEnv
+from tokencake.agents.catalog._env import EnvOptions, new_app
 from tokencake.agents.catalog._material import document_text
 from tokencake.agents.catalog._text import citations, one_line
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 NAME = "rag"
 SHAPE = "single node with stages: query → embed → retrieve → generate"
@@ -32,27 +35,13 @@ PASSAGE_TOKENS = {"small": 600, "realistic": 2250}
 
 def build(
     *,
-    latency: str = "real",
-    seed: int | None = None,
-    noise: float = 0.0,
-    workdir: str | None = None,
-    token_scale: float = 1.0,
-    context: str = "realistic",
     k: int = 3,
+    **options: Unpack[EnvOptions],
 ) -> tc.App:
     """The rag app; ``k`` passages are retrieved (1..10)."""
     if not isinstance(k, int) or not 1 <= k <= 10:
         raise ValueError(f"k must be an int in 1..10, got {k!r}")
-    env = AppEnv(
-        NAME,
-        latency=latency,
-        seed=seed,
-        noise=noise,
-        workdir=workdir,
-        token_scale=token_scale,
-        context=context,
-    )
-    app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
+    env, app = new_app(NAME, DESCRIPTION, **options)
     index: list[VectorIndex] = []  # built on first use, shared by runs of this app object
 
     @app.tool(predict_time=T_EMBED, kind="embed")

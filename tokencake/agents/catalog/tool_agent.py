@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import openai
 
 import tokencake as tc
-from tokencake.agents.catalog._env import AppEnv
+from tokencake.agents.catalog._env import EnvOptions, new_app
 from tokencake.agents.catalog._material import document_text, prose, rng_for, runner_log
 from tokencake.agents.catalog._sandbox import SandboxError
 from tokencake.agents.catalog._text import clip
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 NAME = "tool-agent"
 SHAPE = "agent loop: setup → agent (model-chosen tool calls, up to max_turns) → verify"
@@ -87,32 +90,17 @@ _TEXT_PROTOCOL = (
 
 def build(
     *,
-    latency: str = "real",
-    seed: int | None = None,
-    noise: float = 0.0,
-    workdir: str | None = None,
-    token_scale: float = 1.0,
-    context: str = "realistic",
     max_turns: int = 10,
     test_timeout: float = 30.0,
+    **options: Unpack[EnvOptions],
 ) -> tc.App:
     """The tool-agent app; the model gets at most ``max_turns`` requests (2..40)."""
     if not isinstance(max_turns, int) or not 2 <= max_turns <= 40:
         raise ValueError(f"max_turns must be an int in 2..40, got {max_turns!r}")
-    env = AppEnv(
-        NAME,
-        latency=latency,
-        seed=seed,
-        noise=noise,
-        workdir=workdir,
-        token_scale=token_scale,
-        context=context,
-    )
+    env, app = new_app(NAME, DESCRIPTION, **options)
 
     def size(what: str) -> int:
         return env.size(SIZES[what])
-
-    app = tc.App(NAME, inputs=["task"], description=DESCRIPTION)
 
     @app.tool(predict_time=T_LIST, kind="file")
     async def list_files() -> list[str]:
