@@ -276,6 +276,10 @@ def test_extension_summary_next_turn_share_and_readiness():
     assert s["ready_rate"] == pytest.approx((3 + 2 + 1) / 10)
     assert s["on_time_rate_excl_not_needed"] == pytest.approx((3 + 1) / (10 - 2))
     assert s["prefetch_not_needed"] == 5
+    assert s["next_turn_ttft_mean_s"] is None  # no histogram yet
+    hist_before = {**before, "histograms": {"next_turn.ttft_s": {"count": 2, "sum": 3.0}}}
+    hist_after = {**after, "histograms": {"next_turn.ttft_s": {"count": 6, "sum": 5.0}}}
+    assert extension_summary(hist_after, hist_before)["next_turn_ttft_mean_s"] == pytest.approx(0.5)
     # Counters the connector has not created yet are zero; shares of nothing are None.
     empty = extension_summary(_snapshot())
     assert empty["readiness_eligible"] == 0 and empty["prefetch_not_needed"] == 0

@@ -295,6 +295,10 @@ def test_kv_summary_says_what_the_extension_did() -> None:
     assert "tool calls (stalls): 10" in text and "offload 3" in text and "already on host 2" in text
     assert "4,096 tokens = device 2,048 + host 1,536 + recomputed 512" in text
     assert "offload 12.0 MB" in text and "on time 2, late 1" in text and "no KV pressure" not in text
+    assert "time to first token" not in text  # no histogram given
+    ttft = {"count": 8, "mean": 0.41, "p90": 0.9, "max": 1.2}
+    text = "\n".join(kv_summary(counters, {"next_turn.ttft_s": ttft}))
+    assert "time to first token: mean 0.41 s · p90 0.90 s · max 1.20 s (8 turns)" in text
     quiet = kv_summary({"events.stall_begin": 3, "stalls.decision.no_pressure": 3})
     assert any("no KV pressure" in line for line in quiet)
     assert "no tool calls" in kv_summary({})[0]
@@ -303,3 +307,42 @@ def test_kv_summary_says_what_the_extension_did() -> None:
 def test_device_blocks_needs_the_embedded_server(capsys: pytest.CaptureFixture[str]) -> None:
     code, _out, err = cli(["run", "rag", "--scripted", "--device-blocks", "40"], capsys)
     assert code == 2 and "use it with --serve" in err and len(err.strip().splitlines()) == 1
+
+
+def test_compare_baseline_needs_the_embedded_server_and_no_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _out, err = cli(["run", "rag", "--scripted", "--compare-baseline"], capsys)
+    assert code == 2 and "use it with --serve" in err and len(err.strip().splitlines()) == 1
+    code, _out, err = cli(["run", "rag", "--serve", "--json", "--compare-baseline"], capsys)
+    assert code == 2 and "not with --json" in err and len(err.strip().splitlines()) == 1
+
+
+def test_resumed_turns_are_the_llm_calls_after_a_tool() -> None:
+    from tokencake.cli._apps import resumed_turn_latencies, run_figures
+
+    app = catalog.get_app("rag", latency="scaled:0")
+    result = app.run_sync(llm=catalog.scripted_llm("rag"), **catalog.default_inputs("rag"))
+    calls = [e for e in result.events if e.kind == "llm_finished"]
+    tools = [e for e in result.events if e.kind == "tool_finished"]
+    assert len(calls) >= 2 and tools
+    resumed = resumed_turn_latencies(result)
+    # rag is one agent: LLM → tools → LLM; every call that follows a tool call counts, once.
+    assert 1 <= len(resumed) <= min(len(tools), len(calls) - 1)
+    assert all(x >= 0 for x in resumed)
+    metrics = {'vllm:prompt_tokens_by_source_total{source="local_compute"}': 900.0}
+    figures = run_figures(result, metrics)
+    assert figures["resumed"] == len(resumed) and figures["computed_prompt_tokens"] == 900.0
+    assert figures["status"] == "ok" and figures["prompt_tokens"] is None
+
+
+def test_compare_table_puts_both_systems_side_by_side() -> None:
+    from tokencake.cli._apps import compare_table
+
+    ext = {"status": "ok", "wall_s": 30.0, "llm_s": 20.0, "resumed": 4, "resumed_mean_s": 1.0}
+    base = {"status": "ok", "wall_s": 40.0, "llm_s": 30.0, "resumed": 4, "resumed_mean_s": 2.0}
+    ext["computed_prompt_tokens"], base["computed_prompt_tokens"] = 5000.0, 10000.0
+    console = Console(file=io.StringIO(), width=140, force_terminal=False)
+    console.print(compare_table(ext, base))
+    text = console.file.getvalue()
+    assert "30.00 s" in text and "40.00 s" in text and "0.75" in text  # wall time and its ratio
+    assert "5,000" in text and "10,000" in text and "0.50" in text
+    assert "—" in text  # prompt tokens / preemptions not given

@@ -14,8 +14,9 @@ contexts go through offload, prefetch and demand load under those faults. Checke
 * last, the server is killed (SIGKILL to its process group) in the middle of an SDK app run: the
   run fails within seconds with ``tc.LLMConnectionError`` naming the URL, and nothing hangs.
 
-``jobs.timed_out`` needs a copy stalled past ``job_timeout_s`` (60 s, not a connector option), too
-long for CI; the timeout handshake is covered by ``tests/serving/vllm/test_worker_faults.py``.
+A second server stalls every offload and prefetch copy past a short ``job_timeout_s`` (a connector
+option): the scheduler gives the copies up (``jobs.timed_out``), keeps their blocks and slots pinned
+until the late reports arrive (the handshake), fails them, and the answers are still stock vLLM's.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ WORDS = (
 ).split()
 #: Copy failures as the scheduler counts them (a failed job of each kind).
 FAILED = ("offload.failed", "prefetch.failed", "load.failed")
+#: Every offload and prefetch copy is held back 4 s; the scheduler gives a copy up after 1.5 s.
+#: Demand loads are left alone: a stalled load would hold the forward that needs it.
+TIMEOUT_FAULTS = "copy_stall=1,copy_stall_s=4,kinds=offload+prefetch,seed=1"
+TIMEOUT_S = 1.5
 
 
 # ---------------------------------------------------------------- helpers (as test_temporal.py)
@@ -116,6 +121,21 @@ def fault_server(server_logs: Path) -> Iterator[Server]:
         yield srv
 
 
+@pytest.fixture(scope="module")
+def timeout_server(server_logs: Path) -> Iterator[Server]:
+    """An extension server whose offload and prefetch copies all outlive ``job_timeout_s``."""
+    srv = Server(
+        num_gpu_blocks=DEVICE_BLOCKS,
+        max_model_len=4096,
+        env={"TOKENCAKE_FAULTS": TIMEOUT_FAULTS},
+        connector_config={"job_timeout_s": TIMEOUT_S},
+        log_file=server_logs / "tokencake-timeouts.log",
+        startup_timeout=600.0,
+    )
+    with srv:
+        yield srv
+
+
 def _settled(server: Server, timeout_s: float = 20.0) -> dict[str, Any]:
     """Stats once no copy is in flight and no stall is open (copies are held back 0.5 s at most)."""
     deadline = time.monotonic() + timeout_s
@@ -136,14 +156,11 @@ def _settled(server: Server, timeout_s: float = 20.0) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- tests
 
 
-def test_faulty_copies_never_change_an_answer_and_leak_nothing(
-    fault_server: Server, baseline_server: Server, timing: dict[str, float]
-) -> None:
-    ext, base = fault_server, baseline_server
-    log_text = ext.log_path.read_text(errors="replace") if ext.log_path else ""
-    assert "fault injection ON" in log_text, "TOKENCAKE_FAULTS did not reach the worker"
-    started = time.monotonic()
-    run_id = f"faults-{uuid.uuid4().hex[:6]}"
+def _three_stalled_agents(ext: Server, tag: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Agents A, B, C each take a turn and call a tool; plain traffic evicts their device blocks;
+    the tools return and each takes its next turn. Returns (conversations, replies, where each
+    next turn's previous context came from); every event must have been acknowledged."""
+    run_id = f"{tag}-{uuid.uuid4().hex[:6]}"
     names = ("A", "B", "C")
     convs = {
         n: [
@@ -176,7 +193,7 @@ def test_faulty_copies_never_change_an_answer_and_leak_nothing(
         acks.append(event(ext, "stall_end", **stall(n), tool="search", duration_s=3.0))
         convs[n] += [{"role": "assistant", "content": replies[n][0]}, {"role": "user", "content": "Shorter."}]
     time.sleep(0.3)  # an ack is immediate; the copies follow on the engine thread
-    served: dict[str, dict[str, float]] = {}  # where each agent's previous context came from
+    served: dict[str, dict[str, float]] = {}
     for n in names:
         before = ext.stats()
         replies[n].append(chat(ext, convs[n], meta(n, 1))["text"])
@@ -187,14 +204,39 @@ def test_faulty_copies_never_change_an_answer_and_leak_nothing(
             for k in ("device", "host", "recomputed")
         }
     assert [code for code, _ack in acks] == [200] * len(acks), acks
+    return convs, replies, served
+
+
+def _assert_stock_answers(base: Server, convs: dict[str, Any], replies: dict[str, Any], why: Any) -> None:
+    """Each agent's two turns replayed alone on stock vLLM give the same greedy replies."""
+    for n, conv in convs.items():
+        assert chat(base, conv[:2])["text"] == replies[n][0], n
+        assert chat(base, conv)["text"] == replies[n][1], (n, why)
+
+
+def _assert_nothing_left(stats: dict[str, Any]) -> None:
+    """No hook raised, nothing pinned, filling or in flight, no open stall or prefetch plan."""
+    counters = stats["counters"]
+    assert not {k: v for k, v in counters.items() if k.startswith("errors.")}, counters
+    engine, pool = stats["engine"], stats["host_pool"]
+    assert engine["jobs_in_flight"] == 0 and engine["active_stalls"] == 0, engine
+    assert pool["owners"] == 0 and pool["filling"] == 0, pool
+    assert stats["sessions"]["active_stalls"] == 0, stats["sessions"]
+    assert stats["prefetch_plan"]["open"] == 0, stats["prefetch_plan"]
+
+
+def test_faulty_copies_never_change_an_answer_and_leak_nothing(
+    fault_server: Server, baseline_server: Server, timing: dict[str, float]
+) -> None:
+    ext, base = fault_server, baseline_server
+    log_text = ext.log_path.read_text(errors="replace") if ext.log_path else ""
+    assert "fault injection ON" in log_text, "TOKENCAKE_FAULTS did not reach the worker"
+    started = time.monotonic()
+    convs, replies, served = _three_stalled_agents(ext, "faults")
     stats = _settled(ext)
     timing["faults: workload on the fault server"] = time.monotonic() - started
-
-    for n in names:  # the same two turns of each agent alone on stock vLLM
-        assert chat(base, convs[n][:2])["text"] == replies[n][0], n
-        assert chat(base, convs[n])["text"] == replies[n][1], (n, served[n], stats["counters"])
-
     counters = stats["counters"]
+    _assert_stock_answers(base, convs, replies, (served, counters))
     # Which path served each agent, and what the copies did (shown with -rP).
     print("prefix tokens by source:", served)
     print({k: v for k, v in counters.items() if k.split(".")[0] in ("offload", "prefetch", "load", "jobs")})
@@ -207,15 +249,35 @@ def test_faulty_copies_never_change_an_answer_and_leak_nothing(
     assert jobs >= 2, counters
     assert sum(_counter(stats, k) for k in FAILED) >= 1, counters  # seed 3: the first copy fails
     assert _counter(stats, "offload.hash_mismatch") == 0, counters
-    assert not {k: v for k, v in counters.items() if k.startswith("errors.")}, counters
-    # Nothing leaked once the sessions are done.
-    engine, pool = stats["engine"], stats["host_pool"]
-    assert engine["jobs_in_flight"] == 0 and engine["active_stalls"] == 0, engine
-    assert pool["owners"] == 0 and pool["filling"] == 0, pool
-    assert stats["sessions"]["active_stalls"] == 0, stats["sessions"]
-    assert stats["prefetch_plan"]["open"] == 0, stats["prefetch_plan"]
+    _assert_nothing_left(stats)
     # Still serving.
     assert chat(ext, [{"role": "user", "content": "Say hi."}])["text"] is not None
+    assert ext.events_healthy()
+
+
+def test_copies_past_the_job_timeout_are_given_up_safely(
+    timeout_server: Server, baseline_server: Server, timing: dict[str, float]
+) -> None:
+    """Every offload and prefetch outlives ``job_timeout_s``: the scheduler stops waiting for it
+    (``jobs.timed_out``), the late report fails it and releases its pins, and the agents' next
+    turns are recomputed or demand-loaded from what did land, with stock vLLM's answers."""
+    ext, base = timeout_server, baseline_server
+    started = time.monotonic()
+    convs, replies, served = _three_stalled_agents(ext, "timeouts")
+    stats = _settled(ext, timeout_s=30.0)
+    timing["faults: workload on the timeout server"] = time.monotonic() - started
+    counters = stats["counters"]
+    _assert_stock_answers(base, convs, replies, (served, counters))
+    print("prefix tokens by source:", served)
+    print({k: v for k, v in counters.items() if k.split(".")[0] in ("offload", "prefetch", "load", "jobs")})
+    assert _counter(stats, "offload.jobs") >= 1, counters  # the stalls caused offloads
+    assert _counter(stats, "jobs.timed_out") >= 1, counters
+    # Every given-up copy reported late and was failed (its pins released only then).
+    assert _counter(stats, "jobs.late_reports") == _counter(stats, "jobs.timed_out"), counters
+    # A given-up offload committed nothing: the previous contexts came from device or recompute.
+    assert sum(v["host"] for v in served.values()) == 0, served
+    assert _counter(stats, "offload.hash_mismatch") == 0, counters
+    _assert_nothing_left(stats)
     assert ext.events_healthy()
 
 

@@ -346,6 +346,10 @@ def extension_summary(
         "next_turn_prefix_tokens_recomputed": recomputed,
         # Of the prefix each agent's next turn repeated, the share the engine had to compute again.
         "next_turn_recomputed_share": _share(recomputed, prefix),
+        # Mean time to first token of those next turns (arrival at the engine → first token).
+        "next_turn_ttft_mean_s": _share(
+            d.get("histograms.next_turn.ttft_s.sum"), d.get("histograms.next_turn.ttft_s.count")
+        ),
         # Stalls longer than the transfer lead, judged at the session's next request: was its KV on
         # device (prefetched back, never evicted, or a prefetch copy in flight) or missed?
         "readiness_eligible": eligible,

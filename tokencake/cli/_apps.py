@@ -66,6 +66,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help="with --serve: device KV cache in blocks (small = KV pressure, where the extension matters)",
     )
+    p.add_argument(
+        "--compare-baseline",
+        action="store_true",
+        help="with --serve: then run the same app on stock vLLM (--baseline, same device blocks) and "
+        "print both side by side (twice the time)",
+    )
     p.add_argument("--model", help="model name (default: the server's first model)")
     p.add_argument("--api-key", help="API key (default: $TOKENCAKE_API_KEY)")
     p.add_argument(
@@ -424,19 +430,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     params.update(latency=args.latency, seed=args.seed, noise=args.noise, workdir=args.workdir)
     if getattr(args, "device_blocks", None) is not None and not args.serve:
         raise _error("--device-blocks sizes the embedded server: use it with --serve")
+    compare = getattr(args, "compare_baseline", False)
+    if compare and not args.serve:
+        raise _error("--compare-baseline starts both servers itself: use it with --serve")
+    if compare and args.json:
+        raise _error("--compare-baseline prints a table: not with --json")
     app = _build(args.app, params)
     inputs = _inputs(app, args.app, args)
     with contextlib.ExitStack() as stack:
         server = _embedded_server(args, stack) if args.serve else None
         llm = _llm(args.app, args, server)
-        code = _run_and_report(args, app, inputs, llm)
+        code, result = _run_and_report(args, app, inputs, llm)
         if server is not None:
             _print_server_stats(server)
+        figures = run_figures(result, _metrics(server)) if compare else {}
+    if not compare:
         return code
+    print("\nthe same run on stock vLLM (--baseline, same device KV):", file=sys.stderr, flush=True)
+    with contextlib.ExitStack() as stack:
+        base = _embedded_server(args, stack, baseline=True)
+        base_llm = _llm(args.app, args, base)
+        base_code, base_result = _run_and_report(args, _build(args.app, params), inputs, base_llm)
+        base_figures = run_figures(base_result, _metrics(base))
+    _console(sys.stdout).print(compare_table(figures, base_figures))
+    return max(code, base_code)
 
 
-def _embedded_server(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
-    """``tokencake serve`` as a context for one run (stopped when the run is over)."""
+def _embedded_server(args: argparse.Namespace, stack: contextlib.ExitStack, *, baseline: bool = False) -> Any:
+    """``tokencake serve`` (``--baseline``: stock vLLM) as a context for one run (stopped after it)."""
     from tokencake.serving import ModelError, Server, ServerError
 
     try:
@@ -444,7 +465,7 @@ def _embedded_server(args: argparse.Namespace, stack: contextlib.ExitStack) -> A
         if blocks is not None and blocks < 1:
             raise _error("--device-blocks must be >= 1")
         server = stack.enter_context(
-            Server(args.model, api_key=args.api_key, num_gpu_blocks=blocks, progress=True)
+            Server(args.model, api_key=args.api_key, num_gpu_blocks=blocks, baseline=baseline, progress=True)
         )
     except (ServerError, ModelError) as exc:
         raise _error(str(exc)) from None
@@ -455,15 +476,15 @@ def _embedded_server(args: argparse.Namespace, stack: contextlib.ExitStack) -> A
 def _print_server_stats(server: Any) -> None:
     """What the extension did with KV during the run (stderr: stdout may be --json)."""
     try:
-        counters = server.stats().get("counters", {})
+        stats = server.stats()
     except Exception as exc:  # the run's result matters more than its statistics
         print(f"(server statistics unavailable: {exc})", file=sys.stderr)
         return
-    for line in kv_summary(counters):
+    for line in kv_summary(stats.get("counters", {}), stats.get("histograms", {})):
         print(line, file=sys.stderr)
 
 
-def kv_summary(counters: dict[str, float]) -> list[str]:
+def kv_summary(counters: dict[str, float], histograms: dict[str, Any] | None = None) -> list[str]:
     """The extension's counters as a few lines a user can read: stalls, resumed turns, copies."""
 
     def n(key: str) -> int:
@@ -490,6 +511,12 @@ def kv_summary(counters: dict[str, float]) -> list[str]:
             f"device {n('next_turn.prefix_tokens_device'):,} + host {n('next_turn.prefix_tokens_host'):,} "
             f"+ recomputed {n('next_turn.prefix_tokens_recomputed'):,}"
         )
+    ttft = (histograms or {}).get("next_turn.ttft_s") or {}
+    if ttft.get("count"):
+        lines.append(
+            f"  resumed turns' time to first token: mean {ttft['mean']:.2f} s · p90 {ttft['p90']:.2f} s "
+            f"· max {ttft['max']:.2f} s ({int(ttft['count'])} turns)"
+        )
     lines.append(
         f"  copies: offload {mb('offload.bytes')} · prefetch {mb('prefetch.bytes')} "
         f"(on time {n('prefetch.on_time')}, late {n('prefetch.late')}) · "
@@ -500,7 +527,8 @@ def kv_summary(counters: dict[str, float]) -> list[str]:
     return lines
 
 
-def _run_and_report(args: argparse.Namespace, app: Any, inputs: dict[str, str], llm: Any) -> int:
+def _run_and_report(args: argparse.Namespace, app: Any, inputs: dict[str, str], llm: Any) -> tuple[int, Any]:
+    """Run the app with the live view, print its summary (or ``--json``): (exit code, RunResult)."""
     import anyio
 
     import tokencake as tc
@@ -544,7 +572,7 @@ def _run_and_report(args: argparse.Namespace, app: Any, inputs: dict[str, str], 
             args.app, app, result, inputs=inputs, model=llm.model, latency=args.latency, error=error
         )
         sys.stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
-        return 0 if error is None else 1
+        return (0 if error is None else 1), result
     from rich.text import Text
 
     out_console.print(_summary_table(result))
@@ -552,14 +580,89 @@ def _run_and_report(args: argparse.Namespace, app: Any, inputs: dict[str, str], 
     out_console.print(f"tool calls: {stalls} stalls reported; critical path: {' → '.join(app.critical_path)}")
     if error is not None:
         err_console.print(Text("run failed: ", style="bold red") + Text(error))
-        return 1
+        return 1, result
     from rich.panel import Panel
 
     from tokencake.agents import catalog
 
     answer = Text(catalog.final_answer(args.app, result.output))
     out_console.print(Panel(answer, title="answer", expand=False))
-    return 0
+    return 0, result
+
+
+def _metrics(server: Any) -> dict[str, float]:
+    """vLLM's ``/metrics`` of an embedded server, or {} (the figures then show "—")."""
+    from tokencake.serving import ServerError
+
+    try:
+        return dict(server.metrics())
+    except ServerError as exc:
+        print(f"(server metrics unavailable: {exc})", file=sys.stderr)
+        return {}
+
+
+def resumed_turn_latencies(result: Any) -> list[float]:
+    """Client-side latency of each LLM call that came after a tool call of the same node.
+
+    These are the requests whose context sat idle during a tool: what the extension is for.
+    """
+    after_tool: dict[str | None, bool] = {}
+    out = []
+    for ev in sorted(result.events, key=lambda e: e.ts):
+        if ev.kind == "tool_finished":
+            after_tool[ev.node] = True
+        elif ev.kind == "llm_finished":
+            if after_tool.get(ev.node) and ev.data.get("latency_s") is not None:
+                out.append(float(ev.data["latency_s"]))
+            after_tool[ev.node] = False
+    return out
+
+
+def run_figures(result: Any, metrics: dict[str, float]) -> dict[str, Any]:
+    """What ``--compare-baseline`` puts side by side for one run on one (fresh) server."""
+    resumed = resumed_turn_latencies(result)
+    return {
+        "status": result.status,
+        "wall_s": result.wall_s,
+        "llm_s": sum(n.llm_s for n in result.nodes.values()),
+        "resumed": len(resumed),
+        "resumed_mean_s": sum(resumed) / len(resumed) if resumed else None,
+        "computed_prompt_tokens": metrics.get('vllm:prompt_tokens_by_source_total{source="local_compute"}'),
+        "prompt_tokens": metrics.get("vllm:prompt_tokens_total"),
+        "preemptions": metrics.get("vllm:num_preemptions_total"),
+    }
+
+
+def compare_table(ext: dict[str, Any], base: dict[str, Any]) -> Any:
+    """TokenCake vs stock vLLM on the same app, inputs and device KV (one run each: indicative)."""
+    from rich.table import Table
+
+    def sec(v: float | None) -> str:
+        return "—" if v is None else f"{v:.2f} s"
+
+    def num(v: float | None) -> str:
+        return "—" if v is None else f"{v:,.0f}"
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "—" if a is None or not b else f"{a / b:.2f}"
+
+    table = Table(title="TokenCake vs stock vLLM (one run each)", title_justify="left")
+    for title in ("", "TokenCake", "stock vLLM", "TokenCake / stock"):
+        table.add_column(title, justify="left" if not title else "right")
+    rows = (
+        ("app wall time", "wall_s", sec),
+        ("time in LLM calls (all nodes)", "llm_s", sec),
+        ("resumed turns (after a tool): mean latency", "resumed_mean_s", sec),
+        ("prompt tokens computed (prefill + recompute)", "computed_prompt_tokens", num),
+        ("prompt tokens", "prompt_tokens", num),
+        ("preemptions", "preemptions", num),
+    )
+    for title, key, fmt in rows:
+        table.add_row(title, fmt(ext.get(key)), fmt(base.get(key)), ratio(ext.get(key), base.get(key)))
+    table.add_row("resumed turns", str(ext.get("resumed", 0)), str(base.get("resumed", 0)), "")
+    if ext.get("status") != "ok" or base.get("status") != "ok":
+        table.caption = f"run status: TokenCake {ext.get('status')}, stock {base.get('status')}"
+    return table
 
 
 # ---------------------------------------------------------------------- graph

@@ -22,7 +22,7 @@ from tokencake.events import StallBegin, StallEnd
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.metadata import JobResult, TokenCakeMetadata, TokenCakeWorkerMeta
-from tokencake.serving.vllm.scheduler_side import Options, SchedulerSide
+from tokencake.serving.vllm.scheduler_side import ABANDONED_POLL_S, Options, SchedulerSide
 
 BS = 4  # tokens per block
 NUM_BLOCKS = 16
@@ -61,6 +61,7 @@ def request(
         block_hashes=hashes,
         num_tokens=num_tokens,
         num_computed_tokens=0,
+        num_output_tokens=0,
         kv_transfer_params=params,
     )
 
@@ -395,10 +396,18 @@ def test_unconfirmed_jobs_time_out_and_release_on_the_late_report(pool: BlockPoo
     side.build_meta()
     assert side.stats.counter("jobs.timed_out") == 1 and not side.has_pending_work()
     assert any(b.ref_cnt for b in pool.blocks[1:])  # pinned until the workers answer
+    # An idle engine is woken now and then so the worker can poll for the late report.
+    assert side.next_wake_at() == clock.t + ABANDONED_POLL_S
+    clock.t += ABANDONED_POLL_S
+    assert side.has_pending_work()
+    side.build_meta()
+    assert not side.has_pending_work() and side.next_wake_at() == clock.t + ABANDONED_POLL_S
     answer(side, meta)  # the late report: released, nothing committed
     assert side.stats.counter("jobs.late_reports") == 1 and not side._jobs
     assert all(side.host.lookup(h) is None for h in hashes)
     assert_no_pins(pool)
+    side.build_meta()
+    assert side.next_wake_at() is None and not side.has_pending_work()  # nothing left to poll for
 
 
 def test_workers_that_cannot_copy_turn_the_policy_off(pool: BlockPool, clock: Clock) -> None:
@@ -1096,3 +1105,35 @@ def test_offload_all_lru_loses_tails_first_and_keeps_reused_chains(pool: BlockPo
     assert all(side.host.lookup(h) is not None for h in a)
     assert side.host.lookup(b[1]) is None and side.host.lookup(b[0]) is not None
     assert_no_pins(pool)
+
+
+def test_time_to_first_token_of_resumed_turns(pool: BlockPool, clock: Clock) -> None:
+    """``next_turn.ttft_s``: arrival → first output token, for a session's turn after its tool only."""
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("ttft", 2)
+    first = request("r0", hashes, 2 * BS + 2)
+    side.on_new_request(first)
+    side.update_state_after_alloc(first, [], 0)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin())
+    side.build_meta()
+    side.handle_event(end())
+    side.build_meta()
+    req = request("r2", [*hashes, *chain("more", 1)], 3 * BS + 1)
+    side.on_new_request(req)
+    clock.t += 0.5
+    side.get_num_new_matched_tokens(req, 2 * BS)
+    side.update_state_after_alloc(req, [], 0)
+    clock.t += 0.5
+    side.build_meta()  # prefill still running: nothing yet
+    assert side.stats.histogram("next_turn.ttft_s") == {"count": 0}
+    req.num_output_tokens = 1
+    clock.t += 0.25
+    side.build_meta()
+    ttft = side.stats.histogram("next_turn.ttft_s")
+    assert ttft["count"] == 1 and ttft["mean"] == pytest.approx(1.25)
+    req.num_output_tokens = 5
+    side.build_meta()
+    side.request_finished(req)
+    assert side.stats.histogram("next_turn.ttft_s")["count"] == 1  # once per request
+    assert not side._first_token  # a first turn (r0) was never watched

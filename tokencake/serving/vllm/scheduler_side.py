@@ -69,6 +69,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.tokencake")
 
+#: How often an otherwise idle engine steps while copies given up after ``job_timeout_s`` are
+#: still out (their late reports release device blocks and host slots).
+ABANDONED_POLL_S = 1.0
 #: Readiness of a session's blocks when its next request arrives (``readiness.*`` counters).
 READINESS = ("prefetched", "not_needed", "loading", "missed")
 
@@ -263,6 +266,8 @@ class SchedulerSide:
         self._wake: Callable[[], None] | None = None
         self._lock = threading.Lock()  # guards _wake_at (listener/timer threads vs engine thread)
         self._wake_at: float | None = None
+        #: While given-up copies are out, when the engine next steps so the worker polls them.
+        self._poll_abandoned_at: float | None = None
         self._next_job = 1
         self._generation = 0
         self._jobs: dict[int, _Job] = {}
@@ -284,6 +289,9 @@ class SchedulerSide:
         self._local_hit: dict[str, int] = {}
         #: Requests not yet admitted -> blocks their prompt needs (the queue's KV demand).
         self._waiting: dict[str, int] = {}
+        #: Resumed turns (a session's request after its tool call) waiting for their first token:
+        #: request and arrival, for the ``next_turn.ttft_s`` histogram.
+        self._first_token: dict[str, tuple[Request, float]] = {}
         #: Block hash -> offload job copying it (the host copy exists once that job commits).
         self._filling: dict[bytes, int] = {}
         #: Offloaded stalls whose idle device blocks are at the front of the eviction queue.
@@ -353,6 +361,8 @@ class SchedulerSide:
         live = any(not j.abandoned for j in self._jobs.values())
         if live or self._outbox or self.sessions.stats()["pending_transitions"]:
             return True
+        if self._poll_abandoned_at is not None and self.clock() >= self._poll_abandoned_at:
+            return True  # a given-up copy's late report releases its pins: poll for it now and then
         if not self.prefetch_enabled:
             return False
         # A prefetch deferred for headroom is retried at the next regular step; it must not keep an
@@ -391,6 +401,8 @@ class SchedulerSide:
     def request_finished(self, request: Request) -> None:
         req_id = request.request_id
         self._waiting.pop(req_id, None)
+        if self._first_token:
+            self._watch_first_tokens(self.clock(), finished=req_id)
         self._arrival.pop(req_id, None)
         self._pending_load.pop(req_id, None)
         self._local_hit.pop(req_id, None)
@@ -755,7 +767,8 @@ class SchedulerSide:
         local = self._local_hit.pop(req_id, 0)
         self._usa_req, self._usa_first = req_id, (pending[0] if pending else local // self.block_size)
         try:
-            self._account_next_turn(request, local, num_external_tokens)
+            if self._account_next_turn(request, local, num_external_tokens) and arrived is not None:
+                self._first_token[req_id] = (request, arrived)
         except Exception:
             self.stats.inc("errors.accounting")
             log.exception("TokenCake: next-turn accounting failed")
@@ -805,15 +818,17 @@ class SchedulerSide:
         room = bp.num_free(pool) - own_idle - max(self._reserve_blocks(), queued) + yieldable
         return room >= missing
 
-    def _account_next_turn(self, request: Request, local: int, external: int) -> None:
-        """Readiness, prefetch outcome and recomputed prefix tokens for a session's next turn."""
+    def _account_next_turn(self, request: Request, local: int, external: int) -> bool:
+        """Readiness, prefetch outcome and recomputed prefix tokens for a session's next turn.
+
+        Returns whether the request is one (the first request of a session after a stall)."""
         info = self._reqs.get(request.request_id)
         if info is None:
-            return
+            return False
         session_id = info.session_id
         stall = self._last_stall.get(session_id)
         if stall is None or stall.accounted:
-            return
+            return False
         stall.accounted = True
         # The part of the previous turn this prompt repeats (the chat template may re-tokenize the
         # tail of the previous output differently, so compare hashes instead of assuming all).
@@ -873,6 +888,16 @@ class SchedulerSide:
         # stay indexed (LRU-reclaimable) for later hits. The record (and its hashes) is done.
         self._release_stall(stall.stall_id)
         self._last_stall.pop(session_id)
+        return True
+
+    def _watch_first_tokens(self, now: float, finished: str | None = None) -> None:
+        """Time to first token of resumed turns: what the user of an agent waits after its tool."""
+        for req_id, (request, arrived) in list(self._first_token.items()):
+            if getattr(request, "num_output_tokens", 0) > 0:
+                self.stats.observe("next_turn.ttft_s", now - arrived)
+            elif req_id != finished:
+                continue  # still queued or in prefill
+            del self._first_token[req_id]
 
     def _release_stall(self, stall_id: str) -> None:
         """Unpin a stall's host copies and forget it (a prefetch in flight keeps its own pins)."""
@@ -925,6 +950,8 @@ class SchedulerSide:
             self._next_sweep = now + 1.0
             self.sessions.sweep(now)
         self._drain(now)
+        if self._first_token:
+            self._watch_first_tokens(now)
         if self._kept:
             self._tick_keeps(now)
         self.profile.maybe_save(self._bandwidths())
@@ -1552,6 +1579,10 @@ class SchedulerSide:
                     del self._prefetching[job.session_id]
                 if job.stall_id is not None:
                     self.planner.cancel(job.stall_id, "timeout")
+        # A given-up copy no longer keeps the engine stepping (a hung one would spin it forever),
+        # but its pins go only with its report: step every ABANDONED_POLL_S until it comes.
+        abandoned = any(j.abandoned for j in self._jobs.values())
+        self._poll_abandoned_at = now + ABANDONED_POLL_S if abandoned else None
 
     def _disable_copies(self, reason: str) -> None:
         """The workers cannot copy (host pool, KV layout): stop planning jobs that would all fail."""
@@ -1569,6 +1600,8 @@ class SchedulerSide:
                 for p in self.planner.open_stalls()
                 if p.state == "waiting" and math.isfinite(p.due_at)
             ]
+        if self._poll_abandoned_at is not None:
+            due.append(self._poll_abandoned_at)
         # Retryable gate decisions are not timed: while the engine idles nothing changes for them.
         with self._lock:
             self._wake_at = min(due, default=None)
