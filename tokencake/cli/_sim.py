@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
         type=float,
         default=1.0,
         help="a retryable gate 'no' is asked again after 0.05 s, doubling up to this while no request "
-        "waits (default 1; 0.05 = exactly as the server, slow at 1,000 agents)",
+        "waits (the connector's reevaluate_max_s, default 1; 0.05 = no back-off, slow at 1,000 agents)",
     )
     p.add_argument(
         "--jobs", type=int, default=0, help="systems simulated in parallel (default: one per core)"
@@ -76,7 +76,7 @@ def _with_retry(spec: Any, retry_max_s: float) -> Any:
         return spec
     from dataclasses import replace
 
-    return replace(spec, options={**spec.options, "retry_max_s": retry_max_s})
+    return replace(spec, options={**spec.options, "reevaluate_max_s": retry_max_s})
 
 
 def _agents(text: str | None) -> list[int | None]:

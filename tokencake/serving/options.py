@@ -48,8 +48,12 @@ class Options:
     prefetch_reserve_frac: float = 0.05
     #: A request waits at most this long for its session's prefetch copy before loading on demand.
     prefetch_wait_s: float = 1.0
-    #: How often a retryable gate decision (no pressure yet, host full) is asked again.
+    #: How often a retryable gate decision (no pressure yet, host full) is asked again: every
+    #: ``reevaluate_s`` while requests wait for admission (pressure is building), else backing off
+    #: (doubling) up to ``reevaluate_max_s`` — each ask walks the session's chain, so a thousand
+    #: idle stalled sessions must not be asked 20 times a second each.
     reevaluate_s: float = 0.05
+    reevaluate_max_s: float = 1.0
     #: Host copies stay pinned this long after ``stall_end`` for the session's next request.
     end_grace_s: float = 30.0
     #: Expiry of a stall without ``stall_end``: clamp(expiry_factor × predicted, min, max).

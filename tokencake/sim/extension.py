@@ -89,14 +89,9 @@ class _Hold:
 
 
 class KVExtension:
-    def __init__(
-        self, options: Options | None = None, *, host_blocks: int, retry_max_s: float | None = None
-    ) -> None:
-        """``options`` are the connector's (its defaults); ``retry_max_s`` is the simulator's own:
-        a retryable "no" is asked again after ``reevaluate_s``, doubling up to ``retry_max_s``
-        while no request waits (None: exactly as the server, every ``reevaluate_s``)."""
+    def __init__(self, options: Options | None = None, *, host_blocks: int) -> None:
+        """``options`` are the connector's (its defaults)."""
         self.opts = options or Options()
-        self.retry_max_s = retry_max_s
         self.host = HostPool(host_blocks)
         self.stats: Counter[str] = Counter()
         self.engine: Engine | None = None
@@ -626,7 +621,7 @@ class KVExtension:
         if plan.action != "offload":
             if plan.retry:
                 base = self.opts.reevaluate_s
-                cap = max(self.retry_max_s or base, base)
+                cap = max(self.opts.reevaluate_max_s, base)
                 stall.retry_s = min(max(stall.retry_s * 2, base), cap)
                 self._schedule_retry(stall, self.now + stall.retry_s)
             else:

@@ -137,9 +137,7 @@ def simulate(
     hosts = profile.host_blocks if host_blocks is None else host_blocks
     ext = None
     if spec.policy is not None:
-        opts = dict(spec.options)
-        retry_max_s = opts.pop("retry_max_s", None)
-        ext = KVExtension(Options(policy=spec.policy, **opts), host_blocks=hosts, retry_max_s=retry_max_s)
+        ext = KVExtension(Options(policy=spec.policy, **spec.options), host_blocks=hosts)
     # The bench's extension servers run vLLM's priority scheduler (the SDK's critical-path
     # priorities); stock vLLM runs FCFS.
     engine = Engine(profile, device_blocks=blocks, extension=ext, scheduling="priority" if ext else "fcfs")

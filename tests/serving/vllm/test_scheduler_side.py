@@ -104,7 +104,8 @@ def make_side(
     pool: BlockPool, clock: Clock, host_blocks: int = 8, *, s_per_token: float | None = None, **opts: Any
 ) -> SchedulerSide:
     """``s_per_token`` seeds the prefill profile (what a recompute costs, for continuum / infercept)."""
-    options = Options(usage_threshold=0.0, prefetch_reserve_frac=0.0, **opts)  # always "under pressure"
+    # Always "under pressure" unless a test says otherwise.
+    options = Options(**{"usage_threshold": 0.0, "prefetch_reserve_frac": 0.0, **opts})
     profile = PrefillProfile(min_tokens=1)
     if s_per_token is not None:
         profile.observe_step(1, s_per_token)
@@ -1137,3 +1138,26 @@ def test_time_to_first_token_of_resumed_turns(pool: BlockPool, clock: Clock) -> 
     side.request_finished(req)
     assert side.stats.histogram("next_turn.ttft_s")["count"] == 1  # once per request
     assert not side._first_token  # a first turn (r0) was never watched
+
+
+def test_a_retryable_no_backs_off_while_nothing_waits(pool: BlockPool, clock: Clock) -> None:
+    """A retryable "no" (here: the host pool cannot take the chain) with no queue is asked again
+    after 0.05 s, doubling up to 1 s (each ask walks the chain); a request starting to wait makes
+    every backed-off stall be asked at the next step, then every 0.05 s."""
+    side = make_side(pool, clock, host_blocks=1)
+    finish_turn(side, pool, chain("b", 2))
+    side.handle_event(begin(predicted=100.0))
+    side.build_meta()
+    (stall,) = side._stalls.values()
+    assert stall.decision == "host_pool_full"
+    intervals = []
+    for _ in range(7):
+        intervals.append(round(stall.next_eval - clock.t, 6))
+        clock.t = stall.next_eval
+        side.build_meta()
+    assert intervals == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    side.on_new_request(request("w", chain("w", 3), 3 * BS + 1, session="run:B"))
+    clock.t += 0.01  # long before the backed-off re-ask
+    side.build_meta()  # asked at once (still no room), and from now on at the queue's pace
+    assert stall.decision == "host_pool_full"
+    assert stall.next_eval == pytest.approx(clock.t + 0.05)

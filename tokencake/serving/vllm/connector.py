@@ -133,6 +133,7 @@ def _options(extra: dict[str, Any]) -> Options:
         "end_grace_s": float,
         "prefetch_reserve_frac": float,
         "job_timeout_s": float,
+        "reevaluate_max_s": float,
         "min_waiting": int,
     }
     for name, kind in numeric.items():

@@ -134,6 +134,8 @@ class _Stall:
     decision: str | None = None
     offloaded: bool = False
     next_eval: float = 0.0
+    #: The current re-ask interval of a retryable "no" (backs off while nothing waits).
+    retry_s: float = 0.0
     ended_at: float | None = None
     #: Seconds a host → device copy of the chain needs ahead of the return (transfer + margin).
     lead_s: float = 0.0
@@ -292,6 +294,7 @@ class SchedulerSide:
         #: Resumed turns (a session's request after its tool call) waiting for their first token:
         #: request and arrival, for the ``next_turn.ttft_s`` histogram.
         self._first_token: dict[str, tuple[Request, float]] = {}
+        self._was_waiting = False  # whether requests waited at the last step (re-ask on change)
         #: Block hash -> offload job copying it (the host copy exists once that job commits).
         self._filling: dict[bytes, int] = {}
         #: Offloaded stalls whose idle device blocks are at the front of the eviction queue.
@@ -952,6 +955,10 @@ class SchedulerSide:
         self._drain(now)
         if self._first_token:
             self._watch_first_tokens(now)
+        waiting = bool(self._waiting)
+        if waiting and not self._was_waiting:
+            self._ask_backed_off_now(now)
+        self._was_waiting = waiting
         if self._kept:
             self._tick_keeps(now)
         self.profile.maybe_save(self._bandwidths())
@@ -1065,6 +1072,22 @@ class SchedulerSide:
         if stall.decision is not None:
             self.sessions.set_decision(stall.stall_id, stall.decision)
 
+    def _retry_in(self, stall: _Stall) -> float:
+        """When to ask a retryable "no" again: at once while requests wait, else backing off."""
+        base = self.opts.reevaluate_s
+        if self._waiting:
+            stall.retry_s = base
+        else:
+            stall.retry_s = min(max(stall.retry_s * 2, base), max(self.opts.reevaluate_max_s, base))
+        return stall.retry_s
+
+    def _ask_backed_off_now(self, now: float) -> None:
+        """Requests started waiting: pressure may have come, ask every backed-off stall now."""
+        for stall in self._stalls.values():
+            if stall.retry_s > self.opts.reevaluate_s and math.isfinite(stall.next_eval):
+                stall.retry_s = 0.0
+                stall.next_eval = now
+
     def _evaluate(self, stall: _Stall, now: float) -> None:
         """Ask the gate; on yes pin the device chain and plan the device → host copy."""
         if self.pool is None:
@@ -1104,7 +1127,7 @@ class SchedulerSide:
             moved = bp.reorder(self.pool, self._chain_blocks(stall, on_host_only=False), first=True)
             self.stats.inc("evict_order.discarded_blocks", moved)
         if plan.action != "offload":
-            stall.next_eval = now + self.opts.reevaluate_s if plan.retry else float("inf")
+            stall.next_eval = now + self._retry_in(stall) if plan.retry else float("inf")
             return
         stall.evict_first = plan.evict_first
         try:
