@@ -271,11 +271,13 @@ def test_copies_past_the_job_timeout_are_given_up_safely(
     print("prefix tokens by source:", served)
     print({k: v for k, v in counters.items() if k.split(".")[0] in ("offload", "prefetch", "load", "jobs")})
     assert _counter(stats, "offload.jobs") >= 1, counters  # the stalls caused offloads
-    assert _counter(stats, "jobs.timed_out") >= 1, counters
-    # Every given-up copy reported late and was failed (its pins released only then).
-    assert _counter(stats, "jobs.late_reports") == _counter(stats, "jobs.timed_out"), counters
-    # A given-up offload committed nothing: the previous contexts came from device or recompute.
-    assert sum(v["host"] for v in served.values()) == 0, served
+    timed_out = _counter(stats, "jobs.timed_out")
+    assert timed_out >= 1, counters
+    # Every given-up copy reported late and was failed (its pins released only then), so it
+    # committed nothing; no copy failed otherwise (no failures injected). A copy whose report came
+    # in the same long step that crossed the timeout is simply confirmed (its KV may serve).
+    assert _counter(stats, "jobs.late_reports") == timed_out, counters
+    assert sum(_counter(stats, k) for k in FAILED) == timed_out, counters
     assert _counter(stats, "offload.hash_mismatch") == 0, counters
     _assert_nothing_left(stats)
     assert ext.events_healthy()
