@@ -91,6 +91,24 @@ def test_the_hold_ablation_passes_its_connector_key_to_the_server():
         server_kwargs(spec, ServerConfig(), NoConfig)
 
 
+def test_the_spatial_system_loads_the_spatial_scheduler():
+    from tokencake.serving import Server
+    from tokencake.serving.server import SPATIAL_SCHEDULER
+
+    (spec,) = resolve_systems(["spatial"])
+    kw = server_kwargs(spec, ServerConfig(), Server)
+    assert kw["scheduler_cls"] == SPATIAL_SCHEDULER and kw["policy"] == "tokencake"
+    assert spec.to_dict()["scheduler"] == SPATIAL_SCHEDULER
+    assert "scheduler_cls" not in server_kwargs(resolve_systems(["tokencake"])[0], ServerConfig(), Server)
+
+    class NoScheduler:
+        def __init__(self, model=None, *, baseline=False, num_gpu_blocks=None, policy=None):
+            pass
+
+    with pytest.raises(ValueError, match="scheduler"):
+        server_kwargs(spec, ServerConfig(), NoScheduler)
+
+
 def test_priority_controls_are_stock_vllm_with_the_priority_scheduler():
     config = ServerConfig(device_blocks=40, ideal_blocks=300, extra_args=("--seed", "1"))
     base, bp_, ip = resolve_systems(["baseline", "baseline-priority", "ideal-priority"])

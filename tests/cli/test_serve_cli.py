@@ -230,3 +230,15 @@ def test_cli_error_is_one_line_in_a_real_process(tmp_path: Path) -> None:
     )
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"tokencake: error: {expected}"), lines
+
+
+def test_spatial_loads_the_spatial_scheduler(cpu: None) -> None:
+    from tokencake.cli import CLIError
+    from tokencake.serving.server import SPATIAL_SCHEDULER
+
+    server = serve_cli.build_server(build_parser().parse_args(["serve", "--spatial"]))
+    assert server.scheduler_cls == SPATIAL_SCHEDULER
+    assert serve_cli.build_server(build_parser().parse_args(["serve"])).scheduler_cls is None
+    for clash in (["--spatial", "--baseline"], ["--spatial", "--scheduler-cls", "x.Y"]):
+        with pytest.raises(CLIError):
+            serve_cli.build_server(build_parser().parse_args(["serve", *clash]))

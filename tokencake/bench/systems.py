@@ -22,6 +22,8 @@ state.
 ``stock-connector`` extension loaded with the ``stock`` policy (decides nothing): the connector's own cost
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
+``spatial``         tokencake with the spatial scheduler (``--scheduler-cls``: waiting requests admitted
+                    by spatial score instead of priority, then arrival; ``tokencake/serving/spatial.py``)
 =================== =================================================================================
 
 The ``*-priority`` controls isolate vLLM's priority scheduler (which also changes which request vLLM
@@ -35,6 +37,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokencake.serving.server import SPATIAL_SCHEDULER
 
 #: Extension feature flags (kv_connector_extra_config keys read by the connector).
 EXTENSION_FLAGS = ("offload", "prefetch", "demand_load")
@@ -58,6 +62,8 @@ class SystemSpec:
     policy: str = "tokencake"
     #: Extension systems: other ``kv_connector_extra_config`` keys (docs/architecture.md).
     connector: dict[str, Any] = field(default_factory=dict)
+    #: Extension systems: vLLM ``--scheduler-cls`` (None: vLLM's own scheduler).
+    scheduler: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +75,7 @@ class SystemSpec:
             "priority": self.priority or not self.stock,
             "policy": None if self.stock else self.policy,
             **({"connector": dict(self.connector)} if self.connector else {}),
+            **({"scheduler": self.scheduler} if self.scheduler else {}),
         }
 
 
@@ -149,6 +156,13 @@ SYSTEMS: dict[str, SystemSpec] = {
         connector={"hold_prefetched": False},
         description="tokencake without holding prefetched chains until their request (ablation)",
     ),
+    "spatial": SystemSpec(
+        "spatial",
+        stock=False,
+        flags=dict(_ALL_ON),
+        scheduler=SPATIAL_SCHEDULER,
+        description="tokencake + the spatial scheduler (waiting requests by spatial score)",
+    ),
 }
 ALIASES = {"offload-only": "prefetch-off", "stock": "baseline", "vllm": "baseline"}
 DEFAULT_SYSTEMS = ("baseline", "tokencake", "ideal")
@@ -216,6 +230,10 @@ def server_kwargs(spec: SystemSpec, config: ServerConfig, server_cls: Any) -> di
         kwargs["policy"] = spec.policy
     elif spec.policy != "tokencake":
         raise ValueError(f"system {spec.name!r} needs policy {spec.policy!r}; Server has no policy keyword")
+    if spec.scheduler:
+        if "scheduler_cls" not in params:
+            raise ValueError(f"system {spec.name!r} needs --scheduler-cls; Server has no scheduler_cls")
+        kwargs["scheduler_cls"] = spec.scheduler
     if spec.connector:
         if "connector_config" not in params:
             raise ValueError(f"system {spec.name!r} needs connector keys; Server has no connector_config")

@@ -61,6 +61,12 @@ def register(subparsers: Any) -> None:
     mode.add_argument("--compile", dest="eager", action="store_false", help="torch.compile (slow start)")
     p.add_argument("--scheduler-cls", help="vLLM --scheduler-cls to load with the extension")
     p.add_argument(
+        "--spatial",
+        action="store_true",
+        help="admit waiting requests by TokenCake's spatial score (DAG position, waiting time, "
+        "preemptions) instead of priority, then arrival (docs/policy.md)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default="auto",
         help="vLLM tool-call parser for tools= requests: auto (by model family; hermes for the bundled "
@@ -131,6 +137,18 @@ def _extra_args(args: argparse.Namespace) -> list[str]:
     return extra
 
 
+def _scheduler_cls(args: argparse.Namespace) -> str | None:
+    if not getattr(args, "spatial", False):
+        return args.scheduler_cls
+    if args.scheduler_cls:
+        raise CLIError("--spatial is a --scheduler-cls: give one of them")
+    if args.baseline:
+        raise CLIError("--spatial needs the extension: not with --baseline")
+    from tokencake.serving.server import SPATIAL_SCHEDULER
+
+    return SPATIAL_SCHEDULER
+
+
 def build_server(args: argparse.Namespace) -> Any:
     """The ``Server`` that ``tokencake serve`` would start for ``args`` (not started)."""
     from tokencake.serving.server import Server
@@ -164,7 +182,7 @@ def build_server(args: argparse.Namespace) -> Any:
         events_host=args.events_host,
         log_file=args.log_file,
         served_model_name=args.served_model_name,
-        scheduler_cls=args.scheduler_cls,
+        scheduler_cls=_scheduler_cls(args),
         offload=not args.no_offload,
         prefetch=not args.no_prefetch,
         demand_load=not args.no_demand_load,

@@ -67,6 +67,10 @@ DEFAULT_EVENTS_HOST = "127.0.0.1"
 ProgressFn = Callable[[float, str], None]
 
 
+#: ``--scheduler-cls`` of TokenCake's spatial scheduler (``tokencake/serving/vllm/scheduler.py``).
+SPATIAL_SCHEDULER = "tokencake.serving.vllm.scheduler.SpatialScheduler"
+
+
 class ServerError(Exception):
     """Starting or talking to the server failed. ``str(exc)`` is one line; ``log_tail`` has context."""
 
@@ -956,6 +960,7 @@ def _default_progress(server: Server) -> Any:
 __all__ = [
     "CONNECTOR_CLASS",
     "CONNECTOR_MODULE",
+    "SPATIAL_SCHEDULER",
     "ModelError",
     "Server",
     "ServerError",

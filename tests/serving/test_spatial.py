@@ -1,0 +1,121 @@
+"""The spatial score: DAG position first, then aging so nothing starves (pure, no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokencake.events import GraphMeta, RequestMeta
+from tokencake.serving.spatial import SpatialScorer, SpatialWeights
+
+
+def meta(
+    *,
+    critical: bool = False,
+    slack: float = 0.0,
+    depth: int = 0,
+    importance: float = 1.0,
+    run: str = "run",
+) -> RequestMeta:
+    graph = GraphMeta(on_critical_path=critical, slack_s=slack, remaining_depth=depth)
+    return RequestMeta(session_id=f"{run}:a", run_id=run, node="a", importance=importance, graph=graph)
+
+
+def score(scorer: SpatialScorer, m: RequestMeta | None, waited: float = 0.0, pre: int = 0) -> float:
+    return scorer.score(m, waited_s=waited, preemptions=pre, now=100.0)
+
+
+def test_critical_path_and_less_slack_first() -> None:
+    s = SpatialScorer()
+    crit, near, far = meta(critical=True), meta(slack=3.0), meta(slack=40.0)
+    assert score(s, crit) < score(s, near) < score(s, far)
+    # More work left behind this node: earlier; importance > 1 shrinks the slack.
+    assert score(s, meta(slack=3.0, depth=4)) < score(s, near)
+    assert score(s, meta(slack=40.0, importance=10.0)) < score(s, far)
+    # Slack is capped: beyond max_slack_s all are "not urgent" alike.
+    assert score(s, meta(slack=500.0)) == score(s, meta(slack=5000.0))
+
+
+def test_plain_requests_rank_between_and_keep_first_come_first_served() -> None:
+    s = SpatialScorer()
+    assert score(s, meta(critical=True)) < score(s, None) < score(s, meta(slack=40.0))
+    # Same base for every plain request: the one that waited longer goes first.
+    assert score(s, None, waited=2.0) < score(s, None, waited=1.0)
+
+
+def test_waiting_outranks_a_newer_more_urgent_request() -> None:
+    s = SpatialScorer()
+    old, new = meta(slack=10.0), meta(critical=True)
+    assert score(s, new) < score(s, old, waited=9.0)
+    assert score(s, old, waited=11.0) < score(s, new)
+
+
+def test_preemptions_and_app_age_move_a_request_ahead() -> None:
+    s = SpatialScorer()
+    m = meta(slack=10.0)
+    assert score(s, m, pre=1) == pytest.approx(score(s, m) - s.weights.per_preemption_s)
+    assert score(s, m, pre=50) == score(s, m, pre=s.weights.max_preemptions)  # bounded
+    first = SpatialScorer()
+    first.app_started("early", now=0.0)
+    first.app_started("late", now=90.0)
+    early, late = meta(slack=5.0, run="early"), meta(slack=5.0, run="late")
+    assert first.base(early, now=100.0) < first.base(late, now=100.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    critical=st.booleans(),
+    slack=st.floats(0, 1e6),
+    depth=st.integers(0, 10_000),
+    importance=st.floats(1e-6, 1e6),
+    pre=st.integers(0, 1000),
+    old_critical=st.booleans(),
+    old_slack=st.floats(0, 1e6),
+    old_plain=st.booleans(),
+    age=st.floats(0, 1e4),
+)
+def test_no_request_is_overtaken_longer_than_the_bound(
+    critical: bool,
+    slack: float,
+    depth: int,
+    importance: float,
+    pre: int,
+    old_critical: bool,
+    old_slack: float,
+    old_plain: bool,
+    age: float,
+) -> None:
+    """Whatever arrives later, a request that has waited max_overtake_s more ranks first."""
+    s = SpatialScorer()
+    s.app_started("new", now=100.0 - age)  # the newcomer's app may be arbitrarily old
+    newcomer = meta(critical=critical, slack=slack, depth=depth, importance=importance, run="new")
+    waiting = None if old_plain else meta(critical=old_critical, slack=old_slack, run="old")
+    bound = s.max_overtake_s()
+    assert score(s, waiting, waited=bound + 1e-6) < score(s, newcomer, pre=pre) + 1e-9
+
+
+def test_the_order_key_sorts_as_the_scores_do_later() -> None:
+    s = SpatialScorer()
+    reqs = [
+        (meta(slack=10.0), 0.0, 0),
+        (meta(critical=True), 8.0, 0),
+        (None, 3.0, 1),
+        (meta(slack=2.0), 5.0, 0),
+    ]
+    keys = [s.order_key(m, arrival=a, preemptions=p, now=10.0) for m, a, p in reqs]
+    for now in (10.0, 50.0, 500.0):
+        scores = [s.score(m, waited_s=now - a, preemptions=p, now=10.0) for m, a, p in reqs]
+        assert sorted(range(4), key=keys.__getitem__) == sorted(range(4), key=scores.__getitem__)
+
+
+def test_weights_are_checked_and_apps_bounded() -> None:
+    with pytest.raises(ValueError, match="aging"):
+        SpatialWeights(aging=0.0)
+    with pytest.raises(ValueError, match="plain_slack_s"):
+        SpatialWeights(plain_slack_s=-1.0)
+    s = SpatialScorer(max_apps=2)
+    for i, run in enumerate(("a", "b", "c")):
+        s.app_started(run, now=float(i))
+    assert s.app_started("a", now=10.0) == 10.0  # "a" was dropped (LRU), seen anew
+    assert SpatialScorer().max_overtake_s() == pytest.approx(130.0)

@@ -1,0 +1,88 @@
+"""The spatial scheduler's waiting queue, on vLLM's own ``Request`` objects and queue interface.
+
+Also the drift test of the two internals it relies on (``Scheduler.waiting`` being a
+``RequestQueue`` and that interface): ``check`` must pass on the supported vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from vllm import SamplingParams
+from vllm.v1.core.sched.request_queue import PriorityRequestQueue, RequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from tokencake.events import META_KEY
+from tokencake.serving.vllm import scheduler as spatial
+from tokencake.serving.vllm.scheduler import ScoredRequestQueue, SpatialScheduler
+
+
+def req(
+    rid: str, arrival: float, *, critical: bool = False, slack: float = 0.0, plain: bool = False
+) -> Request:
+    extra: dict[str, Any] = {}
+    if not plain:
+        graph = {"on_critical_path": critical, "slack_s": slack}
+        meta = {"session_id": f"run:{rid}", "run_id": "run", "node": rid, "graph": graph}
+        extra = {"kv_transfer_params": {META_KEY: meta}}
+    params = SamplingParams(max_tokens=4, extra_args=extra)
+    return Request(rid, [1, 2, 3], params, None, arrival_time=arrival, priority=0)
+
+
+def drain(queue: RequestQueue) -> list[str]:
+    out = []
+    while queue:
+        out.append(queue.pop_request().request_id)
+    return out
+
+
+def test_the_internals_it_needs_are_there() -> None:
+    assert spatial.check() is None
+    assert issubclass(SpatialScheduler, Scheduler)
+    assert isinstance(ScoredRequestQueue(), RequestQueue)
+
+
+def test_waiting_requests_come_out_by_score_then_arrival() -> None:
+    now = 1000.0
+    q = ScoredRequestQueue(clock=lambda: now)
+    q.add_request(req("far", now - 1, slack=60.0))
+    q.add_request(req("plain-1", now - 2, plain=True))
+    q.add_request(req("crit", now, critical=True))
+    q.add_request(req("plain-2", now - 1, plain=True))
+    q.add_request(req("old", now - 200, slack=60.0))  # waited longer than any overtaking allows
+    assert len(q) == 5 and q.peek_request().request_id == "old"
+    assert [r.request_id for r in q] == ["old", "crit", "plain-1", "plain-2", "far"]  # iteration = order
+    assert drain(q) == ["old", "crit", "plain-1", "plain-2", "far"]
+    with pytest.raises(IndexError):
+        q.peek_request()
+    with pytest.raises(IndexError):
+        q.pop_request()
+
+
+def test_vllms_priority_queue_would_not_age() -> None:
+    """The difference in one case: vLLM's heap keeps a long-waiting request behind a new one."""
+    now = 1000.0
+    old, new = req("old", now - 200, slack=60.0), req("new", now, critical=True)
+    old.priority, new.priority = 60, 0  # what the SDK sends (slack in seconds; 0 = critical)
+    heap = PriorityRequestQueue()
+    scored = ScoredRequestQueue(clock=lambda: now)
+    for q in (heap, scored):
+        q.add_request(old)
+        q.add_request(new)
+    assert drain(heap) == ["new", "old"] and drain(scored) == ["old", "new"]
+
+
+def test_put_back_and_removed_requests() -> None:
+    now = 1000.0
+    q = ScoredRequestQueue(clock=lambda: now)
+    a, b, c = req("a", now - 3, slack=4.0), req("b", now - 1, slack=4.0), req("c", now - 2, slack=4.0)
+    q.prepend_requests([a, b, c])
+    assert q.pop_request() is a
+    a.num_preemptions = 1  # preempted: re-keyed with its preemption when put back
+    q.prepend_request(a)
+    assert q.peek_request() is a
+    q.remove_request(a)
+    q.remove_requests({c})
+    assert drain(q) == ["b"] and not q and len(q) == 0

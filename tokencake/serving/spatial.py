@@ -1,0 +1,123 @@
+"""Who is admitted first when more requests wait than device KV can take: the spatial score.
+
+The temporal half (forecast → gate → offload / prefetch) decides where an idle session's KV lives.
+This decides the order in which waiting requests get device memory. vLLM's priority scheduler
+orders by a fixed integer the client sends (``priority``, from the SDK's critical path) and then by
+arrival, so a request of a non-critical agent that has waited a minute still loses to every new
+critical one, and a plain OpenAI request (priority 0) ranks with the critical path. The score below
+combines the DAG position the SDK sends with what happened since the request arrived, and it ages,
+so the order is work-conserving and nothing starves.
+
+A score is in seconds of slack; lower is admitted first::
+
+    base  = plain_slack_s                                   a plain request (no TokenCake metadata)
+          = min(slack / importance, max_slack_s)            an agent request; slack = 0 on the
+            − per_remaining_depth_s × min(remaining_depth, max_depth)    critical path, else the
+            − app_age × min(app elapsed, max_app_age_s)                  node's slack
+    score = base − aging × waited − per_preemption_s × min(preemptions, max_preemptions)
+
+Ties go to the earlier arrival, then the request id. Plain requests all have the same base, so
+among themselves they stay first come, first served. Every term of ``base`` is bounded, so a request
+that has waited ``(max_base − min_base) / aging`` seconds outranks any newcomer:
+:meth:`SpatialScorer.max_overtake_s` is that bound (the starvation guarantee: with the defaults a
+request is overtaken by later arrivals for at most 130 s of waiting).
+
+Pure Python (no vLLM): ``tokencake/serving/vllm/scheduler.py`` applies it inside vLLM's scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tokencake.events import RequestMeta
+
+__all__ = ["SpatialScorer", "SpatialWeights"]
+
+
+@dataclass(frozen=True)
+class SpatialWeights:
+    """The score's constants (see the module docstring); every term is bounded."""
+
+    #: A plain request (no TokenCake metadata) ranks as if it had this much slack.
+    plain_slack_s: float = 5.0
+    #: Slack beyond this is "not urgent" alike.
+    max_slack_s: float = 100.0
+    #: Seconds of slack one second of waiting cancels.
+    aging: float = 1.0
+    #: Each node still to run after this one (the DAG's remaining depth) counts as this much less slack.
+    per_remaining_depth_s: float = 0.5
+    max_depth: int = 20
+    #: Of the app's elapsed time (since its first request here), this share counts as slack spent:
+    #: among equals, the app that started first finishes first.
+    app_age: float = 0.1
+    max_app_age_s: float = 100.0
+    #: Each time vLLM preempted the request (it lost its KV and work) it moves ahead this much.
+    per_preemption_s: float = 2.0
+    max_preemptions: int = 5
+
+    def __post_init__(self) -> None:
+        if not self.aging > 0:
+            raise ValueError("aging must be > 0 (it is what keeps requests from starving)")
+        for name in ("plain_slack_s", "max_slack_s", "per_remaining_depth_s", "app_age", "per_preemption_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+
+@dataclass
+class SpatialScorer:
+    """Scores requests (lower first) and remembers when each app was first seen (bounded)."""
+
+    weights: SpatialWeights = field(default_factory=SpatialWeights)
+    max_apps: int = 4096
+    _app_start: OrderedDict[str, float] = field(default_factory=OrderedDict, init=False, repr=False)
+
+    def base(self, meta: RequestMeta | None, now: float) -> float:
+        """The part of the score that does not age (DAG position, importance, app age)."""
+        w = self.weights
+        if meta is None:
+            return w.plain_slack_s
+        graph = meta.graph
+        slack = 0.0 if graph.on_critical_path else max(graph.slack_s, 0.0) / max(meta.importance, 1e-3)
+        depth = min(max(graph.remaining_depth, 0), w.max_depth)
+        started = self.app_started(meta.run_id, now)
+        age = min(max(now - started, 0.0), w.max_app_age_s)
+        return min(slack, w.max_slack_s) - w.per_remaining_depth_s * depth - w.app_age * age
+
+    def score(self, meta: RequestMeta | None, *, waited_s: float, preemptions: int, now: float) -> float:
+        w = self.weights
+        aged = w.aging * max(waited_s, 0.0)
+        return self.base(meta, now) - aged - w.per_preemption_s * min(max(preemptions, 0), w.max_preemptions)
+
+    def app_started(self, run_id: str, now: float) -> float:
+        """When a request of app ``run_id`` was first scored here (LRU-bounded to ``max_apps``)."""
+        started = self._app_start.get(run_id)
+        if started is None:
+            started = self._app_start[run_id] = now
+            while len(self._app_start) > self.max_apps:
+                self._app_start.popitem(last=False)
+        else:
+            self._app_start.move_to_end(run_id)
+        return started
+
+    def max_overtake_s(self) -> float:
+        """How long a waiting request can be overtaken by newcomers, at most (seconds of waiting)."""
+        w = self.weights
+        highest = max(w.plain_slack_s, w.max_slack_s)
+        lowest = -(
+            w.per_remaining_depth_s * w.max_depth
+            + w.app_age * w.max_app_age_s
+            + w.per_preemption_s * w.max_preemptions  # a preempted request re-enters the queue
+        )
+        return (highest - lowest) / w.aging
+
+    def order_key(self, meta: RequestMeta | None, *, arrival: float, preemptions: int, now: float) -> float:
+        """A key that sorts requests as their scores do at any later time.
+
+        ``score(t) = base − aging × (t − arrival) − preemption term``, so
+        ``score(t) + aging × t`` does not depend on ``t``: a queue can keep requests in a heap by
+        this key and still age them (the app-age term is taken when the request is queued).
+        """
+        w = self.weights
+        bonus = w.per_preemption_s * min(max(preemptions, 0), w.max_preemptions)
+        return self.base(meta, now) + w.aging * arrival - bonus

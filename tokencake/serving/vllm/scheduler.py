@@ -1,0 +1,138 @@
+"""``--scheduler-cls``: vLLM's own scheduler, admitting waiting requests in spatial-score order.
+
+vLLM admits from ``Scheduler.waiting``; under ``--scheduling-policy priority`` (what every
+TokenCake server runs) that is a heap by the client's integer ``priority``, then arrival. The
+:class:`SpatialScheduler` swaps it, once at start-up, for a :class:`ScoredRequestQueue` ordered by
+the score of ``tokencake/serving/spatial.py``: the DAG position the SDK sends, the app's age, the
+preemptions a request suffered and, through the arrival time, how long it has waited. Nothing else
+of vLLM changes: preemption still picks its victim by ``priority``, running requests are never
+denied blocks, the connector's hooks are the same.
+
+The swap relies on two internals of vLLM 0.32: the ``waiting`` attribute and the ``RequestQueue``
+interface (``add/pop/peek/prepend/remove``). :func:`check` verifies both on the versions
+:data:`SUPPORTED` lists; anywhere else the scheduler logs why and keeps vLLM's own queue.
+``tests/serving/vllm/test_spatial_scheduler.py`` fails when they change.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import vllm
+from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from tokencake.serving.spatial import SpatialScorer
+from tokencake.serving.vllm.scheduler_side import request_meta
+
+log = logging.getLogger("tokencake.serving.vllm.scheduler")
+
+#: vLLM version prefixes whose scheduler internals were checked against this module.
+SUPPORTED: tuple[str, ...] = ("0.32.",)
+_QUEUE_METHODS = (
+    "add_request",
+    "pop_request",
+    "peek_request",
+    "prepend_request",
+    "prepend_requests",
+    "remove_request",
+    "remove_requests",
+)
+
+__all__ = ["SUPPORTED", "ScoredRequestQueue", "SpatialScheduler", "check"]
+
+
+def check(scheduler: Any = None) -> str | None:
+    """None when the waiting queue can be swapped; else a one-line reason why not."""
+    version = getattr(vllm, "__version__", "?")
+    if not version.startswith(SUPPORTED):
+        return f"vllm {version} not in supported versions {SUPPORTED}"
+    missing = [m for m in _QUEUE_METHODS if not callable(getattr(RequestQueue, m, None))]
+    if missing:
+        return f"vLLM's RequestQueue lost {', '.join(missing)}"
+    if scheduler is not None and not isinstance(getattr(scheduler, "waiting", None), RequestQueue):
+        return "Scheduler.waiting is not a RequestQueue"
+    return None
+
+
+class ScoredRequestQueue(RequestQueue):
+    """Waiting requests by spatial score (lowest first), then arrival, then request id.
+
+    The key is fixed when a request is queued (:meth:`SpatialScorer.order_key`): aging is in it
+    through the arrival time, so a heap keeps the order every later score would give. A request
+    put back (``prepend``: preempted, or skipped this step) is keyed again with its preemptions.
+    """
+
+    def __init__(self, scorer: SpatialScorer | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.scorer = scorer or SpatialScorer()
+        self.clock = clock
+        self._heap: list[tuple[float, float, str, int, Request]] = []
+        self._seq = itertools.count()
+
+    def _entry(self, request: Request) -> tuple[float, float, str, int, Request]:
+        arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)
+        key = self.scorer.order_key(
+            request_meta(request),
+            arrival=arrival,
+            preemptions=int(getattr(request, "num_preemptions", 0) or 0),
+            now=self.clock(),
+        )
+        return (key, arrival, str(request.request_id), next(self._seq), request)
+
+    def add_request(self, request: Request) -> None:
+        heapq.heappush(self._heap, self._entry(request))
+
+    def pop_request(self) -> Request:
+        if not self._heap:
+            raise IndexError("pop from an empty queue")
+        return heapq.heappop(self._heap)[-1]
+
+    def peek_request(self) -> Request:
+        if not self._heap:
+            raise IndexError("peek at an empty queue")
+        return self._heap[0][-1]
+
+    def prepend_request(self, request: Request) -> None:
+        self.add_request(request)  # the order is the score's; "front" has no meaning here
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.add_request(request)
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests((request,))
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        gone = {id(r) for r in requests}
+        self._heap = [e for e in self._heap if id(e[-1]) not in gone]
+        heapq.heapify(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[-1] for e in sorted(self._heap))
+
+
+class SpatialScheduler(Scheduler):
+    """vLLM's ``Scheduler`` whose waiting queue is a :class:`ScoredRequestQueue` (see the module)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        reason = check(self)
+        if reason is not None:
+            log.warning("TokenCake spatial scheduler off (%s): vLLM's own admission order", reason)
+            return
+        queue = ScoredRequestQueue()
+        queue.prepend_requests(list(self.waiting))
+        self.waiting = queue
+        log.info("TokenCake spatial scheduler on: waiting requests by spatial score")
