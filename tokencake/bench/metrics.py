@@ -350,6 +350,13 @@ def extension_summary(
         "next_turn_ttft_mean_s": _share(
             d.get("histograms.next_turn.ttft_s.sum"), d.get("histograms.next_turn.ttft_s.count")
         ),
+        # Mean wait for admission of critical-path, other agent and plain requests (spatial order).
+        **{
+            f"queue_wait_{who}_mean_s": _share(
+                d.get(f"histograms.queue_wait_s.{who}.sum"), d.get(f"histograms.queue_wait_s.{who}.count")
+            )
+            for who in ("critical", "noncritical", "plain")
+        },
         # Stalls longer than the transfer lead, judged at the session's next request: was its KV on
         # device (prefetched back, never evicted, or a prefetch copy in flight) or missed?
         "readiness_eligible": eligible,

@@ -1161,3 +1161,19 @@ def test_a_retryable_no_backs_off_while_nothing_waits(pool: BlockPool, clock: Cl
     side.build_meta()  # asked at once (still no room), and from now on at the queue's pace
     assert stall.decision == "host_pool_full"
     assert stall.next_eval == pytest.approx(clock.t + 0.05)
+
+
+def test_queue_wait_by_place_on_the_critical_path(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock)
+    crit = request("c", chain("c", 1), BS + 1, session="run:C")
+    crit.kv_transfer_params["tokencake"]["graph"] = {"on_critical_path": True}
+    other = request("o", chain("o", 1), BS + 1, session="run:O")
+    plain = request("p", chain("p", 1), BS + 1, session=None)
+    for r in (crit, other, plain):
+        side.on_new_request(r)
+    for r, who, wait in ((crit, "critical", 0.5), (other, "noncritical", 1.0), (plain, "plain", 1.5)):
+        clock.t += 0.5
+        side.update_state_after_alloc(r, [], 0)
+        assert side.stats.histogram(f"queue_wait_s.{who}")["mean"] == pytest.approx(wait)
+    side.update_state_after_alloc(crit, [], 0)  # re-admitted after a preemption: not a new wait
+    assert side.stats.histogram("queue_wait_s.critical")["count"] == 1

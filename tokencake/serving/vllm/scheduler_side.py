@@ -180,6 +180,8 @@ class _ReqInfo:
     session_id: str
     agent_type: str
     next_stall: NextStall | None = None
+    #: The node is on its app's critical path (the SDK's graph metadata).
+    critical: bool = False
     #: A prefetch of this session was being copied when the request first asked for its prefix.
     arrived_while_loading: bool = False
     #: When the request first asked for its prefix: could the session's missing chain blocks
@@ -395,7 +397,7 @@ class SchedulerSide:
         meta = request_meta(request)
         if meta is not None:
             self._reqs[request.request_id] = _ReqInfo(
-                meta.session_id, meta.agent_type or meta.node, meta.next_stall
+                meta.session_id, meta.agent_type or meta.node, meta.next_stall, meta.graph.on_critical_path
             )
             self.stats.inc("requests.with_meta")
         self._waiting[request.request_id] = -(-int(request.num_tokens) // self.block_size)
@@ -756,9 +758,12 @@ class SchedulerSide:
         req_id = request.request_id
         self._waiting.pop(req_id, None)
         arrived = self._arrival.pop(req_id, None)
-        if arrived is not None:
-            self.policy.observe_queue_delay(max(self.clock() - arrived, 0.0))
         info = self._reqs.get(req_id)
+        if arrived is not None:  # first admission (a preempted request's re-admission is not counted)
+            waited = max(self.clock() - arrived, 0.0)
+            self.policy.observe_queue_delay(waited)
+            who = "plain" if info is None else "critical" if info.critical else "noncritical"
+            self.stats.observe(f"queue_wait_s.{who}", waited)
         if info is not None:
             for stall in (self._active_stall(info.session_id), self._last_stall.get(info.session_id)):
                 if stall is not None:
