@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -197,20 +198,56 @@ def test_killing_serve_leaves_no_vllm_process(
             proc.kill()
 
 
-def test_detach_then_stop(tmp_path: Path, timing: dict[str, float]) -> None:
+def _spatial_mixed_traffic(base_url: str, log: Path, baseline: Server) -> None:
+    """The spatial scheduler swapped vLLM's waiting queue; 8 concurrent requests (annotated and
+    plain, more than run at once) all complete with the greedy answers of stock vLLM."""
+    assert "spatial scheduler on" in log.read_text(errors="replace"), "SpatialScheduler did not load"
+    prompts = [f"Request {i}: name a colour and a fruit. " + "word " * (40 * i) for i in range(8)]
+
+    models = {base_url: httpx.get(base_url + "/models", timeout=10).json()["data"][0]["id"]}
+    models[baseline.base_url] = baseline.model
+
+    def ask(url: str, i: int, meta: bool) -> str:
+        body: dict[str, object] = {
+            "model": models[url],
+            "messages": [{"role": "user", "content": prompts[i]}],
+            "max_tokens": 8,
+            "temperature": 0.0,
+        }
+        if meta:
+            graph = {"on_critical_path": i == 0, "slack_s": float(i), "remaining_depth": i % 3}
+            tc_meta = {"session_id": f"sp:{i}", "run_id": "sp", "node": f"n{i}", "graph": graph}
+            body["kv_transfer_params"] = {tc.events.META_KEY: tc_meta}
+        resp = httpx.post(url + "/chat/completions", json=body, timeout=300.0)
+        resp.raise_for_status()
+        return str(resp.json()["choices"][0]["message"]["content"])
+
+    with ThreadPoolExecutor(8) as pool:  # every other request is a plain OpenAI request
+        replies = list(pool.map(lambda i: ask(base_url, i, meta=i % 2 == 0), range(8)))
+    for i in (0, 1, 6, 7):  # annotated and plain, short and long
+        assert ask(baseline.base_url, i, meta=False) == replies[i], i
+
+
+def test_detach_then_stop(tmp_path: Path, timing: dict[str, float], baseline_server: Server) -> None:
+    """``--detach`` (here with ``--spatial``: the spatial scheduler inside vLLM), then ``stop``."""
     psutil = pytest.importorskip("psutil", reason="psutil comes with vllm")
     port = find_free_port()
     env = _cli_env(tmp_path)
     started = time.monotonic()
-    res = subprocess.run(_serve_cmd(port, "--detach"), env=env, capture_output=True, text=True, timeout=660)
-    timing["tokencake serve --detach"] = time.monotonic() - started
+    cmd = _serve_cmd(port, "--detach", "--spatial")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=660)
+    timing["tokencake serve --detach --spatial"] = time.monotonic() - started
     assert res.returncode == 0, res.stderr
     assert f"http://127.0.0.1:{port}/v1" in res.stdout
     assert f"http://127.0.0.1:{port + tc.events.EVENTS_PORT_OFFSET}" in res.stdout
     state_file = tmp_path / "home" / "run" / f"server-{port}.json"
     assert state_file.is_file()
     _wait_models(port, None, timeout=10)
-    watchdog = psutil.Process(int(json.loads(state_file.read_text())["pid"]))
+    state = json.loads(state_file.read_text())
+    started = time.monotonic()
+    _spatial_mixed_traffic(f"http://127.0.0.1:{port}/v1", Path(state["log_file"]), baseline_server)
+    timing["spatial: 8 concurrent requests + 4 replays"] = time.monotonic() - started
+    watchdog = psutil.Process(int(state["pid"]))
     tree = [watchdog, *watchdog.children(recursive=True)]
     res = subprocess.run(
         [sys.executable, "-m", "tokencake", "stop"], env=env, capture_output=True, text=True, timeout=120
