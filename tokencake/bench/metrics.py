@@ -350,6 +350,8 @@ def extension_summary(
         "next_turn_ttft_mean_s": _share(
             d.get("histograms.next_turn.ttft_s.sum"), d.get("histograms.next_turn.ttft_s.count")
         ),
+        # Admissions of non-critical requests that evicted a critical-path session's idle KV.
+        "critical_inversions": c("spatial.critical_inversions"),
         # Mean wait for admission of critical-path, other agent and plain requests (spatial order).
         **{
             f"queue_wait_{who}_mean_s": _share(

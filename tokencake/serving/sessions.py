@@ -502,3 +502,7 @@ class ByteLRU(Generic[K, V]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._items
+
+    def items(self) -> list[tuple[K, V]]:
+        """A snapshot of (key, value), least recently used first."""
+        return [(k, v) for k, (v, _n) in self._items.items()]

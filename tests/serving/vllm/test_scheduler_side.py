@@ -1177,3 +1177,37 @@ def test_queue_wait_by_place_on_the_critical_path(pool: BlockPool, clock: Clock)
         assert side.stats.histogram(f"queue_wait_s.{who}")["mean"] == pytest.approx(wait)
     side.update_state_after_alloc(crit, [], 0)  # re-admitted after a preemption: not a new wait
     assert side.stats.histogram("queue_wait_s.critical")["count"] == 1
+
+
+def test_critical_inversion_when_a_non_critical_admission_evicts_critical_kv(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """A critical-path session's idle chain loses blocks to a non-critical request's allocation."""
+    side = make_side(pool, clock, offload=False)
+    hashes = chain("crit", 3)
+    first = request("c1", hashes, 3 * BS + 2, session="run:C")
+    first.kv_transfer_params["tokencake"]["graph"] = {"on_critical_path": True}
+    side.on_new_request(first)
+    side.update_state_after_alloc(first, [], 0)
+    blocks = cache_blocks(pool, hashes)
+    first.num_computed_tokens = 3 * BS + 1
+    side.request_finished(first)
+    bp.release(pool, blocks)  # idle and cached
+    # A critical request's admission that evicts them is no inversion.
+    crit = request("c2", chain("c2", 1), BS + 1, session="run:D")
+    crit.kv_transfer_params["tokencake"]["graph"] = {"on_critical_path": True}
+    side.on_new_request(crit)
+    side.get_num_new_matched_tokens(crit, 0)
+    taken = bp.allocate(pool, bp.num_free(pool) - 2)  # evicts the chain's oldest block
+    side.update_state_after_alloc(crit, [], 0)
+    assert sum(bp.cached_block(pool, h) is not None for h in hashes) == 2
+    assert side.stats.counter("spatial.critical_inversions") == 0
+    # A plain request whose allocation takes the rest of C's idle chain is one.
+    plain = request("p", chain("p", 2), 2 * BS, session=None)
+    side.on_new_request(plain)
+    side.get_num_new_matched_tokens(plain, 0)
+    taken += bp.allocate(pool, 2)
+    side.update_state_after_alloc(plain, [], 0)
+    assert side.stats.counter("spatial.critical_inversions") == 1
+    assert side.stats.counter("spatial.critical_blocks_evicted") == 2
+    bp.release(pool, taken)

@@ -72,6 +72,8 @@ log = logging.getLogger("vllm.tokencake")
 #: How often an otherwise idle engine steps while copies given up after ``job_timeout_s`` are
 #: still out (their late reports release device blocks and host slots).
 ABANDONED_POLL_S = 1.0
+#: Critical-path sessions whose idle chains are watched for critical inversions (most recent).
+CRITICAL_WATCH = 64
 #: Readiness of a session's blocks when its next request arrives (``readiness.*`` counters).
 READINESS = ("prefetched", "not_needed", "loading", "missed")
 
@@ -297,6 +299,12 @@ class SchedulerSide:
         #: request and arrival, for the ``next_turn.ttft_s`` histogram.
         self._first_token: dict[str, tuple[Request, float]] = {}
         self._was_waiting = False  # whether requests waited at the last step (re-ask on change)
+        #: Idle chains of critical-path sessions (their request finished; the next one is not
+        #: admitted yet), and their cached-block counts before a non-critical admission.
+        self._critical_idle: ByteLRU[str, tuple[bytes, ...]] = ByteLRU(
+            max_items=CRITICAL_WATCH, max_bytes=16 << 20
+        )
+        self._critical_before: dict[str, int] | None = None
         #: Block hash -> offload job copying it (the host copy exists once that job commits).
         self._filling: dict[bytes, int] = {}
         #: Offloaded stalls whose idle device blocks are at the front of the eviction queue.
@@ -419,6 +427,8 @@ class SchedulerSide:
         hashes = [bytes(h) for h in list(request.block_hashes)[:num_full]]
         if info is not None:
             self.sessions.record_request(info.session_id, hashes, request.num_computed_tokens, req_id)
+            if info.critical and hashes:
+                self._critical_idle.put(info.session_id, tuple(hashes), hashes_nbytes(hashes))
         if (info is not None and info.next_stall is not None) or not self.policy.uses_events:
             try:
                 self._on_finished(info, hashes, self.clock())
@@ -711,6 +721,8 @@ class SchedulerSide:
         """
         req_id = request.request_id
         info = self._reqs.get(req_id)
+        if (info is None or not info.critical) and len(self._critical_idle):
+            self._critical_before = self._critical_cached()
         try:
             self._make_room(request, num_computed_tokens)
         except Exception:  # room is an optimisation: never fail the admission over it
@@ -768,6 +780,11 @@ class SchedulerSide:
             for stall in (self._active_stall(info.session_id), self._last_stall.get(info.session_id)):
                 if stall is not None:
                     stall.resumed = True
+        if info is not None:
+            self._critical_idle.pop(info.session_id)  # its blocks are in use again
+        before, self._critical_before = self._critical_before, None
+        if before is not None and (info is None or not info.critical):
+            self._count_inversions(before)
         if info is not None and info.session_id in self._kept:
             # Admitted: the request now holds the prefix blocks it hit; the keep has done its job.
             self._unkeep(info.session_id, "admitted")
@@ -802,6 +819,25 @@ class SchedulerSide:
         self.stats.inc("demand_load.requests")
         self.stats.inc("demand_load.blocks", n)
         self.stats.inc("tokens.from_host", n * self.block_size)
+
+    def _critical_cached(self) -> dict[str, int]:
+        """Per watched critical session: how many blocks of its idle chain are cached on device."""
+        pool = self.pool
+        if pool is None:
+            return {}
+        return {
+            sid: sum(bp.cached_block(pool, h) is not None for h in hashes)
+            for sid, hashes in self._critical_idle.items()
+        }
+
+    def _count_inversions(self, before: dict[str, int]) -> None:
+        """A non-critical request was admitted: did its allocation evict a critical session's KV?"""
+        after = self._critical_cached()
+        for sid, n in before.items():
+            lost = n - after.get(sid, n)
+            if lost > 0:
+                self.stats.inc("spatial.critical_inversions")
+                self.stats.inc("spatial.critical_blocks_evicted", lost)
 
     def _room_for_chain(self, session_id: str, req_id: str) -> bool:
         """Whether the device could take the session's missing chain blocks right now under the
@@ -958,6 +994,7 @@ class SchedulerSide:
             self._next_sweep = now + 1.0
             self.sessions.sweep(now)
         self._drain(now)
+        self._critical_before = None  # a snapshot holds within one scheduling pass only
         if self._first_token:
             self._watch_first_tokens(now)
         waiting = bool(self._waiting)
