@@ -142,6 +142,15 @@ class RequestMeta(_Wire):
     importance: float = 1.0
     graph: GraphMeta = GraphMeta()
     next_stall: NextStall | None = None
+    #: Whether the client reports this session's tool calls on the events API. False (no events
+    #: listener reachable, e.g. replicas behind a router): the server derives each stall from the
+    #: request's ``next_stall`` (begin when it finishes) and the session's next request (end).
+    stall_events: bool = True
+
+
+#: The HTTP header that carries the session id, for routers that keep a session on one replica
+#: (``vllm-router --policy consistent_hash`` reads it first).
+SESSION_HEADER = "X-Session-ID"
 
 
 def priority_from_graph(graph: GraphMeta, importance: float = 1.0) -> int:
@@ -161,6 +170,7 @@ __all__ = [
     "EVENTS_PORT_OFFSET",
     "HEALTH_PATH",
     "META_KEY",
+    "SESSION_HEADER",
     "STATS_PATH",
     "WIRE_VERSION",
     "EventAck",

@@ -185,3 +185,51 @@ def test_run_sync_twice_reuses_the_llm_across_event_loops():
     assert app.run_sync(llm=llm, task="1").output == "ok"
     assert app.run_sync(llm=llm, task="2").output == "ok"
     assert len(llm.requests) == 10
+
+
+@pytest.mark.parametrize("events", [None, "http://gpu-box:9001"])
+async def test_every_request_names_its_session_for_a_router(events):
+    """``X-Session-ID`` on every chat completion (a router keeps the session on one replica); with
+    no events listener the body says so, and the server derives the stalls from the requests."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        body = json.loads(request.content)
+        message = {"role": "assistant", "content": "hi"}
+        reply = {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"]}
+        reply["choices"] = [{"index": 0, "finish_reason": "stop", "message": message}]
+        return httpx.Response(200, json=reply)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    llm = tc.LLM("http://gpu-box:9000/v1", "smol", events_url=events or False, http_client=client)
+    if events:  # the stall events of the searcher's tool call go nowhere here
+        llm._reporter = tc.StallRecorder()
+    await _two_branch_app().run(llm=llm, run_id="r", task="t")
+    assert len(seen) == 5
+    for request in seen:
+        tc_meta = json.loads(request.content)["kv_transfer_params"]["tokencake"]
+        assert request.headers["x-session-id"] == tc_meta["session_id"]
+        if events:
+            assert "stall_events" not in tc_meta  # the default: servers before the field agree
+        else:
+            assert tc_meta["stall_events"] is False
+
+
+async def test_the_transport_adds_the_session_header():
+    session = tc.Session("chat-7", events_url=False)
+    seen: list[tuple[str, dict]] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.headers.get("x-session-id", ""), body["kv_transfer_params"]["tokencake"]))
+        message = {"role": "assistant", "content": "ok"}
+        reply = {"id": "c", "object": "chat.completion", "created": 0, "model": "m"}
+        reply["choices"] = [{"index": 0, "finish_reason": "stop", "message": message}]
+        return httpx.Response(200, json=reply)
+
+    client = tc.openai_client(session, base_url="http://llm.test/v1", transport=httpx.MockTransport(server))
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+    await client.close()
+    ((header, tc_meta),) = seen
+    assert header == "chat-7" and tc_meta["session_id"] == "chat-7" and tc_meta["stall_events"] is False

@@ -209,6 +209,7 @@ async def test_request_metadata_builds_exactly_what_the_llm_class_sends():
             importance=meta.importance,
             graph=meta.graph,
             next_stall=meta.next_stall,
+            stall_events=meta.stall_events,  # False here: a scripted LLM has no events listener
         )
         assert built == {"priority": body["priority"], "kv_transfer_params": body["kv_transfer_params"]}
     assert {b["priority"] for b in llm.requests} != {0}  # the check covered a non-zero priority too

@@ -115,6 +115,7 @@ async def test_the_capability_options_reach_every_request(wire):
         importance=2.0,
         graph=slack,
         next_stall="web_search",
+        stall_events=False,  # events_url=False: the server derives the stalls from the requests
     )
     assert result.conversation_id == "c-1"
     assert body["priority"] == expected["priority"] > 0

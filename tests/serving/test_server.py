@@ -581,3 +581,12 @@ def test_policy_reaches_the_connector_and_a_bad_one_is_refused() -> None:
     assert "policy" not in default.kv_transfer_config()["kv_connector_extra_config"]
     with pytest.raises(ValueError, match="unknown KV policy 'fifo'"):
         Server(policy="fifo")
+
+
+def test_data_parallel_is_refused_with_the_extension() -> None:
+    """One events listener and one stall book per server: DP engines would each miss the events."""
+    for flags in (["--data-parallel-size", "2"], ["-dp=4"]):
+        with pytest.raises(ServerError, match="replicas behind a router"):
+            Server(extra_args=flags).preflight()
+    Server(extra_args=["--data-parallel-size", "1"]).preflight()
+    Server(baseline=True, extra_args=["--data-parallel-size", "2"]).preflight()  # stock vLLM: its call

@@ -19,7 +19,7 @@ import anyio
 import httpx
 import openai
 
-from tokencake.events import EVENTS_PORT_OFFSET, RequestMeta
+from tokencake.events import EVENTS_PORT_OFFSET, SESSION_HEADER, RequestMeta
 
 from ._errors import LLMConnectionError
 from ._loop import LoopLocal
@@ -310,6 +310,11 @@ class LLM:
                 kwargs["tool_choice"] = tool_choice
         if response_format is not None:
             kwargs["response_format"] = dict(response_format)
+        if meta is not None:
+            if self.events_url is None and meta.stall_events:
+                meta = meta.model_copy(update={"stall_events": False})  # the server derives stalls
+            # A router in front of replicas keeps the session where its KV is (docs/scale-out.md).
+            kwargs["extra_headers"] = {SESSION_HEADER: meta.session_id}
         kwargs["extra_body"] = request_extra_body(meta, {**self.extra_body, **(extra_body or {})})
         return kwargs
 

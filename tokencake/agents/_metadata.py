@@ -27,6 +27,7 @@ def request_metadata(
     graph: GraphMeta | None = None,
     next_stall: NextStall | str | None = None,
     priority: int | None = None,
+    stall_events: bool = True,
 ) -> dict[str, Any]:
     """The body fields for one chat completion of conversation ``session_id``, for ``extra_body=``.
 
@@ -34,6 +35,8 @@ def request_metadata(
     events. ``run_id`` defaults to the session id, ``node`` to ``"agent"``, ``agent_type`` to the
     node; ``turn`` counts the conversation's requests. Without ``graph`` the agent counts as on the
     critical path (priority 0). ``next_stall`` names the tool the reply is expected to call.
+    ``stall_events=False`` says this client sends no stall events: the server then derives each
+    tool call from ``next_stall`` and the conversation's next request (replicas behind a router).
 
     >>> body = request_metadata("chat-42", turn=1, next_stall="web_search")
     >>> body["kv_transfer_params"]["tokencake"]["session_id"], body["priority"]
@@ -51,6 +54,7 @@ def request_metadata(
         importance=importance,
         graph=graph if graph is not None else STANDALONE_GRAPH,
         next_stall=next_stall,
+        stall_events=stall_events,
     )
     return metadata_fields(meta, priority)
 
@@ -59,7 +63,9 @@ def metadata_fields(meta: RequestMeta, priority: int | None = None) -> dict[str,
     """``{"priority": ..., "kv_transfer_params": {"tokencake": meta}}`` for one request."""
     if priority is None:
         priority = priority_from_graph(meta.graph, meta.importance)
-    return {"priority": priority, "kv_transfer_params": {META_KEY: meta.model_dump(mode="json")}}
+    # ``stall_events`` only when False: servers before it existed ignore it either way.
+    dumped = meta.model_dump(mode="json", exclude={"stall_events"} if meta.stall_events else None)
+    return {"priority": priority, "kv_transfer_params": {META_KEY: dumped}}
 
 
 def merge_metadata(body: Mapping[str, Any] | None, fields: Mapping[str, Any]) -> dict[str, Any]:

@@ -104,6 +104,7 @@ class Session:
             importance=self.importance,
             graph=self.graph,
             next_stall=self.next_stall,
+            stall_events=self.events_url is not None,
         )
 
     def stall(

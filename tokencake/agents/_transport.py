@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import openai
 
+from tokencake.events import SESSION_HEADER
+
 from ._llm import DEFAULT_BASE_URL
 from ._metadata import merge_metadata
 from ._session import Session
@@ -82,6 +84,7 @@ class TokenCakeTransport(httpx.AsyncBaseTransport, httpx.BaseTransport):
         headers = httpx.Headers(request.headers)
         headers.pop("content-length", None)
         headers.pop("transfer-encoding", None)
+        headers.setdefault(SESSION_HEADER, session.session_id)  # for a router's session affinity
         return httpx.Request(
             request.method, request.url, headers=headers, content=content, extensions=request.extensions
         )

@@ -727,6 +727,13 @@ class Server:
                 raise ServerError(
                     f"{', '.join(bad)} needs a CUDA GPU, but none is visible (this is a CPU-only machine)"
                 )
+        dp = _flag_value(self.extra_args, "--data-parallel-size", "-dp")
+        if not self.baseline and dp is not None and dp.strip() not in ("", "1"):
+            raise ServerError(
+                f"--data-parallel-size {dp} runs several engines, but the TokenCake extension keeps its "
+                "stall state and events listener in one: run that many replicas behind a router instead "
+                "(docs/scale-out.md), or serve with --baseline"
+            )
         if self.port:
             if not 0 < self.port < 65536:
                 raise ServerError(f"port {self.port} is out of range")

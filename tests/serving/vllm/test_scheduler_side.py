@@ -50,11 +50,15 @@ def request(
     num_tokens: int,
     session: str | None = "run:A",
     next_tool: float | None = None,
+    events: bool = True,
 ) -> Any:
-    """A stand-in request; ``next_tool`` = the predicted seconds of an announced tool call."""
+    """A stand-in request; ``next_tool`` = the predicted seconds of an announced tool call;
+    ``events=False``: its client sends no stall events (``RequestMeta.stall_events``)."""
     meta: dict[str, Any] = {"session_id": session, "run_id": "run", "node": session or "A"}
     if next_tool is not None:
         meta["next_stall"] = {"tool": "search", "predicted_s": next_tool}
+    if not events:
+        meta["stall_events"] = False
     params = {"tokencake": meta} if session else None
     return SimpleNamespace(
         request_id=req_id,
@@ -1211,3 +1215,34 @@ def test_critical_inversion_when_a_non_critical_admission_evicts_critical_kv(
     assert side.stats.counter("spatial.critical_inversions") == 1
     assert side.stats.counter("spatial.critical_blocks_evicted") == 2
     bp.release(pool, taken)
+
+
+def test_stalls_are_derived_from_requests_when_the_client_sends_no_events(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Replicas behind a router: the request that announced its tool call begins the stall when it
+    finishes, the session's next request ends it; the policy then works as with events."""
+    side = make_side(pool, clock)
+    hashes = chain("d", 3)
+    first = request("r1", hashes, 3 * BS + 2, next_tool=4.0, events=False)
+    side.on_new_request(first)
+    side.update_state_after_alloc(first, [], 0)
+    blocks = cache_blocks(pool, hashes)
+    first.num_computed_tokens = 3 * BS + 1
+    side.request_finished(first)
+    bp.release(pool, blocks)
+    assert side.stats.counter("events.derived_begin") == 1
+    side.build_meta()
+    (stall,) = side._stalls.values()
+    assert stall.stall_id == "derived:r1" and stall.tool == "search" and stall.predicted_s == 4.0
+    clock.t += 3.0
+    nxt = request("r2", [*hashes, *chain("e", 1)], 4 * BS + 1, events=False)
+    side.on_new_request(nxt)  # the tool is over
+    assert side.stats.counter("events.derived_end") == 1
+    side.get_num_new_matched_tokens(nxt, 3 * BS)
+    admit(side, pool, nxt, hashes)
+    assert side.stats.counter("next_turn.requests") == 1
+    assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 0
+    # A client that sends events gets no derived stall.
+    finish_turn(side, pool, chain("w", 2), "r3", session="run:W", next_tool=4.0)
+    assert side.stats.counter("events.derived_begin") == 1

@@ -184,6 +184,10 @@ class _ReqInfo:
     next_stall: NextStall | None = None
     #: The node is on its app's critical path (the SDK's graph metadata).
     critical: bool = False
+    #: The client sends no stall events for this session: derive them (``RequestMeta.stall_events``).
+    derive_stalls: bool = False
+    run_id: str = ""
+    node: str = ""
     #: A prefetch of this session was being copied when the request first asked for its prefix.
     arrived_while_loading: bool = False
     #: When the request first asked for its prefix: could the session's missing chain blocks
@@ -305,6 +309,8 @@ class SchedulerSide:
             max_items=CRITICAL_WATCH, max_bytes=16 << 20
         )
         self._critical_before: dict[str, int] | None = None
+        #: Sessions whose client sends no stall events: the stall derived from their last request.
+        self._derived: ByteLRU[str, tuple[StallBegin, float]] = ByteLRU(max_items=4096, max_bytes=1 << 20)
         #: Block hash -> offload job copying it (the host copy exists once that job commits).
         self._filling: dict[bytes, int] = {}
         #: Offloaded stalls whose idle device blocks are at the front of the eviction queue.
@@ -405,9 +411,17 @@ class SchedulerSide:
         meta = request_meta(request)
         if meta is not None:
             self._reqs[request.request_id] = _ReqInfo(
-                meta.session_id, meta.agent_type or meta.node, meta.next_stall, meta.graph.on_critical_path
+                meta.session_id,
+                meta.agent_type or meta.node,
+                meta.next_stall,
+                meta.graph.on_critical_path,
+                derive_stalls=not meta.stall_events,
+                run_id=meta.run_id,
+                node=meta.node,
             )
             self.stats.inc("requests.with_meta")
+            if not meta.stall_events:
+                self._end_derived_stall(meta.session_id)
         self._waiting[request.request_id] = -(-int(request.num_tokens) // self.block_size)
         self._arrival[request.request_id] = self.clock()
 
@@ -429,12 +443,51 @@ class SchedulerSide:
             self.sessions.record_request(info.session_id, hashes, request.num_computed_tokens, req_id)
             if info.critical and hashes:
                 self._critical_idle.put(info.session_id, tuple(hashes), hashes_nbytes(hashes))
+            if info.derive_stalls and info.next_stall is not None:
+                self._begin_derived_stall(info, req_id)
         if (info is not None and info.next_stall is not None) or not self.policy.uses_events:
             try:
                 self._on_finished(info, hashes, self.clock())
             except Exception:
                 self.stats.inc("errors.early_save")
                 log.exception("TokenCake: early save for %s failed", req_id)
+
+    # ---- stalls derived from requests (clients without an events listener, e.g. behind a router)
+    def _begin_derived_stall(self, info: _ReqInfo, req_id: str) -> None:
+        """The request announced its tool call and finished: the tool starts now."""
+        assert info.next_stall is not None
+        begin = StallBegin(
+            stall_id=f"derived:{req_id}"[:200],
+            session_id=info.session_id,
+            run_id=info.run_id or info.session_id,
+            node=info.node or info.agent_type or "agent",
+            agent_type=info.agent_type,
+            tool=info.next_stall.tool,
+            kind=info.next_stall.kind,
+            predicted_s=info.next_stall.predicted_s,
+            ts=time.time(),
+        )
+        if self.sessions.apply(begin).ok:
+            self._derived.put(info.session_id, (begin, self.clock()), 64)
+            self.stats.inc("events.derived_begin")
+
+    def _end_derived_stall(self, session_id: str) -> None:
+        """The session's next request arrived: its tool call is over."""
+        open_ = self._derived.pop(session_id)
+        if open_ is None:
+            return
+        begin, started = open_
+        end = StallEnd(
+            stall_id=begin.stall_id,
+            session_id=begin.session_id,
+            run_id=begin.run_id,
+            node=begin.node,
+            tool=begin.tool,
+            duration_s=max(self.clock() - started, 0.0),
+            ts=time.time(),
+        )
+        if self.sessions.apply(end).ok:
+            self.stats.inc("events.derived_end")
 
     # ---- chains
     def _chain(self, hashes: tuple[bytes, ...] | list[bytes]) -> list[tuple[int, bytes, Any, int | None]]:
