@@ -59,6 +59,19 @@ def register(subparsers: Any) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--eager", dest="eager", action="store_true", default=True, help="no compile (default)")
     mode.add_argument("--compile", dest="eager", action="store_false", help="torch.compile (slow start)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="start N servers behind vllm-router (session affinity by X-Session-ID; needs the "
+        "'router' extra); --port is then the router's",
+    )
+    p.add_argument(
+        "--router-policy",
+        default="consistent_hash",
+        choices=("consistent_hash", "round_robin", "cache_aware", "power_of_two"),
+        help="with --replicas: vllm-router's policy (default consistent_hash: a session stays put)",
+    )
     p.add_argument("--scheduler-cls", help="vLLM --scheduler-cls to load with the extension")
     p.add_argument(
         "--spatial",
@@ -165,9 +178,12 @@ def build_server(args: argparse.Namespace) -> Any:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise CLIError(f"--{name.replace('_', '-')} must be > 0")
-    return Server(
-        args.model,
-        port=args.port,
+    return Server(args.model, port=args.port, log_file=args.log_file, **_server_kwargs(args))
+
+
+def _server_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """What every server of ``tokencake serve`` shares (one, or each of ``--replicas``)."""
+    return dict(
         host=args.host,
         api_key=args.api_key or None,
         baseline=args.baseline,
@@ -180,7 +196,6 @@ def build_server(args: argparse.Namespace) -> Any:
         extra_args=_extra_args(args),
         events_port=args.events_port,
         events_host=args.events_host,
-        log_file=args.log_file,
         served_model_name=args.served_model_name,
         scheduler_cls=_scheduler_cls(args),
         offload=not args.no_offload,
@@ -199,6 +214,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokencake.serving.model import ModelError
     from tokencake.serving.server import ServerError
 
+    if getattr(args, "replicas", 1) != 1:
+        return _serve_replicas(args)
     server = build_server(args)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -234,6 +251,66 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         if not args.detach:
             server.stop()
+
+
+def build_replicas(args: argparse.Namespace) -> Any:
+    """The ``Replicas`` that ``tokencake serve --replicas N`` would start (not started)."""
+    from tokencake.serving.replicas import Replicas
+
+    if args.replicas < 1:
+        raise CLIError("--replicas must be >= 1")
+    for flag, given in (
+        ("--detach", args.detach),
+        ("--events-port", args.events_port is not None),
+        ("--log-file", args.log_file is not None),
+    ):
+        if given:
+            raise CLIError(f"{flag} is per server: not with --replicas (each replica gets its own)")
+    build_server(args)  # the same checks as for one server
+    kwargs = _server_kwargs(args)
+    kwargs.pop("events_port")
+    host = kwargs.pop("host")
+    kwargs.pop("watch_parent")  # the replicas are children of this process either way
+    return Replicas(
+        args.replicas,
+        port=args.port or 0,
+        host=host,
+        router_policy=args.router_policy,
+        model=args.model,
+        **kwargs,
+    )
+
+
+def _serve_replicas(args: argparse.Namespace) -> int:
+    from tokencake.serving.model import ModelError
+    from tokencake.serving.server import ServerError
+
+    replicas = build_replicas(args)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        try:
+            replicas.start()
+        except (ServerError, ModelError, ValueError) as exc:
+            raise CLIError(str(exc)) from None
+        for line in replicas.describe():
+            print(line, flush=True)
+        print(
+            f"clients: tc.LLM({replicas.base_url!r}, events_url=False) — each replica derives its "
+            "sessions' stalls from their requests (docs/scale-out.md). Ctrl-C to stop.",
+            flush=True,
+        )
+        while all(s.running for s in replicas.servers):
+            time.sleep(0.5)
+        raise CLIError("a replica exited unexpectedly")
+    except (KeyboardInterrupt, _Terminated):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("\nstopping the router and the replicas …", file=sys.stderr, flush=True)
+        replicas.stop()
+        print("stopped.", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        replicas.stop()
 
 
 def _print_ready(server: Any) -> None:
