@@ -1189,7 +1189,7 @@ def test_critical_inversion_when_a_non_critical_admission_evicts_critical_kv(
     """A critical-path session's idle chain loses blocks to a non-critical request's allocation."""
     side = make_side(pool, clock, offload=False)
     hashes = chain("crit", 3)
-    first = request("c1", hashes, 3 * BS + 2, session="run:C")
+    first = request("c1", hashes, 3 * BS + 2, session="run:C", next_tool=5.0)
     first.kv_transfer_params["tokencake"]["graph"] = {"on_critical_path": True}
     side.on_new_request(first)
     side.update_state_after_alloc(first, [], 0)

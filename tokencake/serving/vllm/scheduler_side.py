@@ -441,7 +441,8 @@ class SchedulerSide:
         hashes = [bytes(h) for h in list(request.block_hashes)[:num_full]]
         if info is not None:
             self.sessions.record_request(info.session_id, hashes, request.num_computed_tokens, req_id)
-            if info.critical and hashes:
+            if info.critical and hashes and info.next_stall is not None:
+                # Only a session that announced a tool call is known to come back for its KV.
                 self._critical_idle.put(info.session_id, tuple(hashes), hashes_nbytes(hashes))
             if info.derive_stalls and info.next_stall is not None:
                 self._begin_derived_stall(info, req_id)
