@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -242,11 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.stop()
         raise CLIError("vLLM exited unexpectedly")
     except (KeyboardInterrupt, _Terminated):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
-        print("\nstopping vLLM …", file=sys.stderr, flush=True)
-        server.stop()
-        print("stopped.", file=sys.stderr, flush=True)
-        return 0
+        return _stop_on_signal("vLLM", server.stop)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if not args.detach:
@@ -303,14 +300,19 @@ def _serve_replicas(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         raise CLIError("a replica exited unexpectedly")
     except (KeyboardInterrupt, _Terminated):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("\nstopping the router and the replicas …", file=sys.stderr, flush=True)
-        replicas.stop()
-        print("stopped.", file=sys.stderr, flush=True)
-        return 0
+        return _stop_on_signal("the router and the replicas", replicas.stop)
     finally:
         signal.signal(signal.SIGTERM, previous)
         replicas.stop()
+
+
+def _stop_on_signal(what: str, stop: Callable[[], None]) -> int:
+    """Ctrl-C or SIGTERM: stop everything, say so, exit 0."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+    print(f"\nstopping {what} …", file=sys.stderr, flush=True)
+    stop()
+    print("stopped.", file=sys.stderr, flush=True)
+    return 0
 
 
 def _print_ready(server: Any) -> None:
