@@ -74,6 +74,7 @@ def test_preemptions_and_app_age_move_a_request_ahead() -> None:
     old_slack=st.floats(0, 1e6),
     old_plain=st.booleans(),
     age=st.floats(0, 1e4),
+    retained=st.booleans(),
 )
 def test_no_request_is_overtaken_longer_than_the_bound(
     critical: bool,
@@ -85,6 +86,7 @@ def test_no_request_is_overtaken_longer_than_the_bound(
     old_slack: float,
     old_plain: bool,
     age: float,
+    retained: bool,
 ) -> None:
     """Whatever arrives later, a request that has waited max_overtake_s more ranks first."""
     s = SpatialScorer()
@@ -92,7 +94,18 @@ def test_no_request_is_overtaken_longer_than_the_bound(
     newcomer = meta(critical=critical, slack=slack, depth=depth, importance=importance, run="new")
     waiting = None if old_plain else meta(critical=old_critical, slack=old_slack, run="old")
     bound = s.max_overtake_s()
-    assert score(s, waiting, waited=bound + 1e-6) < score(s, newcomer, pre=pre) + 1e-9
+    old_key = s.order_key(waiting, arrival=0.0, preemptions=0, now=100.0)
+    new_key = s.order_key(newcomer, arrival=bound + 1e-6, preemptions=pre, now=100.0, retained=retained)
+    assert old_key < new_key + 1e-9
+
+
+def test_a_session_whose_kv_is_held_goes_first_among_equals() -> None:
+    s = SpatialScorer()
+    m = meta(slack=5.0)
+    held = s.order_key(m, arrival=10.0, preemptions=0, now=10.0, retained=True)
+    other = s.order_key(m, arrival=5.0, preemptions=0, now=10.0)
+    assert held < other  # 10 s of retained credit beat 5 s of waiting
+    assert s.order_key(m, arrival=30.0, preemptions=0, now=30.0, retained=True) > other  # bounded
 
 
 def test_the_order_key_sorts_as_the_scores_do_later() -> None:
@@ -118,4 +131,4 @@ def test_weights_are_checked_and_apps_bounded() -> None:
     for i, run in enumerate(("a", "b", "c")):
         s.app_started(run, now=float(i))
     assert s.app_started("a", now=10.0) == 10.0  # "a" was dropped (LRU), seen anew
-    assert SpatialScorer().max_overtake_s() == pytest.approx(130.0)
+    assert SpatialScorer().max_overtake_s() == pytest.approx(140.0)

@@ -15,12 +15,13 @@ A score is in seconds of slack; lower is admitted first::
             − per_remaining_depth_s × min(remaining_depth, max_depth)    critical path, else the
             − app_age × min(app elapsed, max_app_age_s)                  node's slack
     score = base − aging × waited − per_preemption_s × min(preemptions, max_preemptions)
+            − retained_s if the session's KV is held on device for it (a keep or a prefetched chain)
 
 Ties go to the earlier arrival, then the request id. Plain requests all have the same base, so
 among themselves they stay first come, first served. Every term of ``base`` is bounded, so a request
 that has waited ``(max_base − min_base) / aging`` seconds outranks any newcomer:
 :meth:`SpatialScorer.max_overtake_s` is that bound (the starvation guarantee: with the defaults a
-request is overtaken by later arrivals for at most 130 s of waiting).
+request is overtaken by later arrivals for at most 140 s of waiting).
 
 Pure Python (no vLLM): ``tokencake/serving/vllm/scheduler.py`` applies it inside vLLM's scheduler.
 """
@@ -55,11 +56,21 @@ class SpatialWeights:
     #: Each time vLLM preempted the request (it lost its KV and work) it moves ahead this much.
     per_preemption_s: float = 2.0
     max_preemptions: int = 5
+    #: The session's KV is held on device for it (a keep, or a prefetched chain): admitting it
+    #: first uses those blocks before they have to yield, and it needs the fewest new ones.
+    retained_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.aging > 0:
             raise ValueError("aging must be > 0 (it is what keeps requests from starving)")
-        for name in ("plain_slack_s", "max_slack_s", "per_remaining_depth_s", "app_age", "per_preemption_s"):
+        for name in (
+            "plain_slack_s",
+            "max_slack_s",
+            "per_remaining_depth_s",
+            "app_age",
+            "per_preemption_s",
+            "retained_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -108,10 +119,19 @@ class SpatialScorer:
             w.per_remaining_depth_s * w.max_depth
             + w.app_age * w.max_app_age_s
             + w.per_preemption_s * w.max_preemptions  # a preempted request re-enters the queue
+            + w.retained_s
         )
         return (highest - lowest) / w.aging
 
-    def order_key(self, meta: RequestMeta | None, *, arrival: float, preemptions: int, now: float) -> float:
+    def order_key(
+        self,
+        meta: RequestMeta | None,
+        *,
+        arrival: float,
+        preemptions: int,
+        now: float,
+        retained: bool = False,
+    ) -> float:
         """A key that sorts requests as their scores do at any later time.
 
         ``score(t) = base − aging × (t − arrival) − preemption term``, so
@@ -120,4 +140,5 @@ class SpatialScorer:
         """
         w = self.weights
         bonus = w.per_preemption_s * min(max(preemptions, 0), w.max_preemptions)
+        bonus += w.retained_s if retained else 0.0
         return self.base(meta, now) + w.aging * arrival - bonus

@@ -86,3 +86,13 @@ def test_put_back_and_removed_requests() -> None:
     q.remove_request(a)
     q.remove_requests({c})
     assert drain(q) == ["b"] and not q and len(q) == 0
+
+
+def test_a_request_whose_session_kv_is_held_is_admitted_first() -> None:
+    now = 1000.0
+    held = {"run:b"}
+    q = ScoredRequestQueue(clock=lambda: now, retained=held.__contains__)
+    q.add_request(req("a", now - 3, slack=4.0))
+    q.add_request(req("b", now, slack=4.0))  # newer, but its prefetched chain waits on device
+    q.add_request(req("p", now - 9, plain=True))
+    assert drain(q) == ["b", "p", "a"]

@@ -69,19 +69,28 @@ class ScoredRequestQueue(RequestQueue):
     put back (``prepend``: preempted, or skipped this step) is keyed again with its preemptions.
     """
 
-    def __init__(self, scorer: SpatialScorer | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        scorer: SpatialScorer | None = None,
+        clock: Callable[[], float] = time.time,
+        retained: Callable[[str], bool] | None = None,
+    ) -> None:
         self.scorer = scorer or SpatialScorer()
         self.clock = clock
+        #: Whether a session's KV is held on device for it (the connector's keeps and holds).
+        self.retained = retained
         self._heap: list[tuple[float, float, str, int, Request]] = []
         self._seq = itertools.count()
 
     def _entry(self, request: Request) -> tuple[float, float, str, int, Request]:
         arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)
+        meta = request_meta(request)
         key = self.scorer.order_key(
-            request_meta(request),
+            meta,
             arrival=arrival,
             preemptions=int(getattr(request, "num_preemptions", 0) or 0),
             now=self.clock(),
+            retained=meta is not None and self.retained is not None and self.retained(meta.session_id),
         )
         return (key, arrival, str(request.request_id), next(self._seq), request)
 
@@ -132,7 +141,9 @@ class SpatialScheduler(Scheduler):
         if reason is not None:
             log.warning("TokenCake spatial scheduler off (%s): vLLM's own admission order", reason)
             return
-        queue = ScoredRequestQueue()
+        side = getattr(getattr(self, "connector", None), "sched", None)  # the TokenCake connector's
+        holds = getattr(side, "holds_kv", None)
+        queue = ScoredRequestQueue(retained=holds if callable(holds) else None)
         queue.prepend_requests(list(self.waiting))
         self.waiting = queue
         log.info("TokenCake spatial scheduler on: waiting requests by spatial score")

@@ -400,6 +400,10 @@ class SchedulerSide:
     def demote_enabled(self) -> bool:
         return self.opts.demote and self.private_ok
 
+    def holds_kv(self, session_id: str) -> bool:
+        """Whether device blocks are held for this idle session (a policy's keep or a prefetch)."""
+        return session_id in self._kept
+
     def _stall(self, stall_id: str) -> _Stall | None:
         return self._stalls.get(stall_id) or self._ended.get(stall_id)
 
