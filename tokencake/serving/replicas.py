@@ -82,6 +82,7 @@ class Replicas:
         self.progress = progress
         self.server_kwargs = server_kwargs
         self.servers: list[Server] = []
+        self.prometheus_port: int | None = None  # the router's metrics (chosen at start)
         self._router: subprocess.Popen[bytes] | None = None
         self._router_log: Any = None
 
@@ -137,11 +138,17 @@ class Replicas:
             self.router_policy,
             "--log-dir",
             str(self.log_dir / "router"),
+            # Its own Prometheus listener, on a free port (the default one may be taken).
+            "--prometheus-host",
+            self.host,
+            "--prometheus-port",
+            str(self.prometheus_port or find_free_port(self.host, with_events=False)),
         ]
 
     def _start_router(self) -> None:
         if not self.port:
             self.port = find_free_port(self.host, with_events=False)
+        self.prometheus_port = self.prometheus_port or find_free_port(self.host, with_events=False)
         self._router_log = (self.log_dir / "router.log").open("wb")
         self._router = subprocess.Popen(
             self.router_command(),
