@@ -350,6 +350,8 @@ def extension_summary(
         "next_turn_ttft_mean_s": _share(
             d.get("histograms.next_turn.ttft_s.sum"), d.get("histograms.next_turn.ttft_s.count")
         ),
+        # Wall time of the connector's scheduler-side hooks (engine thread, between forwards).
+        "connector_hook_s": c("engine.hook_seconds"),
         # Admissions of non-critical requests that evicted a critical-path session's idle KV.
         "critical_inversions": c("spatial.critical_inversions"),
         # Mean wait for admission of critical-path, other agent and plain requests (spatial order).

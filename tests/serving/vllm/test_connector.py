@@ -203,3 +203,17 @@ def test_the_connector_runs_the_configured_policy(build: Any, tmp_path: Any) -> 
     assert conn.sched.profile.path is not None and conn.sched.profile.path.parent == tmp_path
     off = build({"profile_dir": "off"})
     assert off.sched is not None and off.sched.profile.path is None
+
+
+def test_scheduler_side_hook_time_is_reported_per_step(build: Any) -> None:
+    """What the extension adds to each engine step is measured, not guessed (``engine.hook_*``)."""
+    conn = build({"events_port": 0})
+    assert conn.sched is not None
+    conn.has_pending_push_work()
+    conn.request_finished(SimpleNamespace(request_id="x", kv_transfer_params=None), [])
+    assert conn._hook_s > 0
+    step = SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})
+    conn.build_connector_meta(step)  # reports the hooks since the previous step
+    assert conn.sched.stats.histogram("engine.hook_ms_per_step")["count"] == 1
+    assert conn.sched.stats.counter("engine.hook_seconds") > 0
+    assert 0 < conn._hook_s < 1  # this call's own time, reported at the next step

@@ -25,13 +25,14 @@ arguments. A legacy ``api_key`` key still works, with a warning.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import platform
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,23 @@ def _profile_file(vllm_config: VllmConfig, extra: Mapping[str, Any], cuda: bool)
     dtype = str(getattr(model_config, "dtype", "")).replace("torch.", "")
     device = torch.cuda.get_device_name(0) if cuda else f"cpu{os.cpu_count()}-{platform.machine()}"
     return profile_path(directory, model, f"{device}-{dtype}")
+
+
+def _timed(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the hook's wall time to the connector's per-step total (``engine.hook_seconds``).
+
+    The scheduler-side hooks run on the engine thread between forwards: their time is what the
+    extension adds to every step, the number that must stay small where nothing needs moving."""
+
+    @functools.wraps(hook)
+    def timed(self: TokenCakeConnector, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._hook_s += time.perf_counter() - started
+
+    return timed
 
 
 def _options(extra: dict[str, Any]) -> Options:
@@ -202,6 +220,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.sched: SchedulerSide | None = None
+        self._hook_s = 0.0  # scheduler-side hook time since the last step (see _timed)
         self.worker: WorkerSide | None = None
         self.disabled: str | None = None
         self._events: EventServer | None = None
@@ -361,6 +380,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
         if self.sched is not None:
             self.sched.bind_pool(gpu_block_pool)
 
+    @_timed
     def on_new_request(self, request: Request) -> None:
         if self.sched is None:
             return
@@ -369,6 +389,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
         except Exception:
             self._count_error("on_new_request")
 
+    @_timed
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -381,6 +402,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
             self._count_error("get_num_new_matched_tokens")
             return 0, False
 
+    @_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         if self.sched is None:
             return
@@ -398,9 +420,14 @@ class TokenCakeConnector(KVConnectorBase_V1):
                 except Exception:
                     self._count_error("fail_load")
 
+    @_timed
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.sched is None:
             return TokenCakeMetadata()
+        if self._hook_s > 0:  # the previous step's hooks (this call's own time goes to the next)
+            self.sched.stats.inc("engine.hook_seconds", self._hook_s)
+            self.sched.stats.observe("engine.hook_ms_per_step", self._hook_s * 1000.0)
+            self._hook_s = 0.0
         try:
             self.sched.observe_step(
                 getattr(scheduler_output, "total_num_scheduled_tokens", 0),
@@ -411,6 +438,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
             self._count_error("build_connector_meta")
             return TokenCakeMetadata(self.sched.flush(), release_after_report=True)
 
+    @_timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.sched is None:
             return
@@ -420,6 +448,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
         except Exception:
             self._count_error("update_connector_output")
 
+    @_timed
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.sched is None:
             return False, None
@@ -439,6 +468,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
             self._count_error("reset_cache")
             return False
 
+    @_timed
     def has_pending_push_work(self) -> bool:
         if self.sched is None:
             return False
@@ -452,6 +482,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
         return ()
 
     # ------------------------------------------------- Prometheus (/metrics)
+    @_timed
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Scheduler side, every step: the exported counters' increase since the last call.
 
