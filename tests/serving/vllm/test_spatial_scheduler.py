@@ -44,6 +44,20 @@ def test_the_internals_it_needs_are_there() -> None:
     assert isinstance(ScoredRequestQueue(), RequestQueue)
 
 
+def test_it_keeps_vllms_async_scheduler_when_async_scheduling_is_on() -> None:
+    """A ``--scheduler-cls`` that subclassed only ``Scheduler`` would lose async scheduling."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    def config(on: bool) -> Any:
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=on))
+
+    assert issubclass(spatial.scheduler_base(config(True)), AsyncScheduler)
+    base = spatial.scheduler_base(config(False))
+    assert issubclass(base, Scheduler) and not issubclass(base, AsyncScheduler)
+
+
 def test_waiting_requests_come_out_by_score_then_arrival() -> None:
     now = 1000.0
     q = ScoredRequestQueue(clock=lambda: now)

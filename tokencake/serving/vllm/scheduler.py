@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import vllm
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
@@ -45,7 +46,7 @@ _QUEUE_METHODS = (
     "remove_requests",
 )
 
-__all__ = ["SUPPORTED", "ScoredRequestQueue", "SpatialScheduler", "check"]
+__all__ = ["SUPPORTED", "ScoredRequestQueue", "SpatialScheduler", "check", "scheduler_base"]
 
 
 def check(scheduler: Any = None) -> str | None:
@@ -132,18 +133,42 @@ class ScoredRequestQueue(RequestQueue):
         return (e[-1] for e in sorted(self._heap))
 
 
-class SpatialScheduler(Scheduler):
-    """vLLM's ``Scheduler`` whose waiting queue is a :class:`ScoredRequestQueue` (see the module)."""
+def _swap_waiting_queue(scheduler: Any) -> None:
+    """Replace the scheduler's waiting queue by a :class:`ScoredRequestQueue` (or say why not)."""
+    reason = check(scheduler)
+    if reason is not None:
+        log.warning("TokenCake spatial scheduler off (%s): vLLM's own admission order", reason)
+        return
+    side = getattr(getattr(scheduler, "connector", None), "sched", None)  # the TokenCake connector's
+    holds = getattr(side, "holds_kv", None)
+    queue = ScoredRequestQueue(retained=holds if callable(holds) else None)
+    queue.prepend_requests(list(scheduler.waiting))
+    scheduler.waiting = queue
+    log.info("TokenCake spatial scheduler on: waiting requests by spatial score")
 
+
+class _SyncSpatialScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        reason = check(self)
-        if reason is not None:
-            log.warning("TokenCake spatial scheduler off (%s): vLLM's own admission order", reason)
-            return
-        side = getattr(getattr(self, "connector", None), "sched", None)  # the TokenCake connector's
-        holds = getattr(side, "holds_kv", None)
-        queue = ScoredRequestQueue(retained=holds if callable(holds) else None)
-        queue.prepend_requests(list(self.waiting))
-        self.waiting = queue
-        log.info("TokenCake spatial scheduler on: waiting requests by spatial score")
+        _swap_waiting_queue(self)
+
+
+class _AsyncSpatialScheduler(AsyncScheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _swap_waiting_queue(self)
+
+
+def scheduler_base(vllm_config: Any) -> type[Scheduler]:
+    """vLLM's own choice for this config: ``AsyncScheduler`` when async scheduling is on."""
+    return _AsyncSpatialScheduler if vllm_config.scheduler_config.async_scheduling else _SyncSpatialScheduler
+
+
+class SpatialScheduler(Scheduler):
+    """What ``--scheduler-cls`` names: vLLM's scheduler for the config (``AsyncScheduler`` under
+    async scheduling, as vLLM would pick without ``--scheduler-cls``, else ``Scheduler``) whose
+    waiting queue is a :class:`ScoredRequestQueue` (see the module)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        return scheduler_base(config)(*args, **kwargs)
