@@ -64,9 +64,11 @@ def test_sessions_stay_on_their_replica(replicas: Replicas, timing: dict[str, fl
     begins = [c.get("events.derived_begin", 0) for c in counters]
     ends = [c.get("events.derived_end", 0) for c in counters]
     print("per replica: derived begins", begins, "ends", ends)
-    assert sum(begins) == AGENTS  # one tool call per agent, each derived where its request finished
-    # Affinity: each session's next request reached the replica where its stall began.
-    assert begins == ends
+    # Each agent's tool call ended where it began: its next request came back to that replica.
+    assert sum(ends) == AGENTS
+    # The SDK announces a tool after an agent's last call too (agents may loop): that derived stall
+    # never ends (it expires). Two begins per session, both on the replica that holds its KV.
+    assert begins == [2 * n for n in ends]
     for c, n in zip(counters, ends, strict=True):
         assert c.get("next_turn.requests", 0) == n
         prefix = c.get("next_turn.prefix_tokens", 0)

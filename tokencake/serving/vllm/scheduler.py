@@ -32,7 +32,7 @@ from vllm.v1.request import Request
 from tokencake.serving.spatial import SpatialScorer
 from tokencake.serving.vllm.scheduler_side import request_meta
 
-log = logging.getLogger("tokencake.serving.vllm.scheduler")
+log = logging.getLogger("vllm.tokencake.scheduler")  # under "vllm": vLLM formats and shows it
 
 #: vLLM version prefixes whose scheduler internals were checked against this module.
 SUPPORTED: tuple[str, ...] = ("0.32.",)
