@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import tokencake as tc
-from tokencake.serving import Server, default_model_dir, find_free_port
+from tokencake.serving import Server, default_model_dir, find_free_port, stop_process_group
 
 pytestmark = pytest.mark.integration
 
@@ -245,7 +245,11 @@ def test_detach_then_stop(tmp_path: Path, timing: dict[str, float], baseline_ser
     _wait_models(port, None, timeout=10)
     state = json.loads(state_file.read_text())
     started = time.monotonic()
-    _spatial_mixed_traffic(f"http://127.0.0.1:{port}/v1", Path(state["log_file"]), baseline_server)
+    try:
+        _spatial_mixed_traffic(f"http://127.0.0.1:{port}/v1", Path(state["log_file"]), baseline_server)
+    except BaseException:  # a detached server outlives the test: never leave it running
+        stop_process_group(int(state["pgid"]), int(state["pid"]), grace=10.0)
+        raise
     timing["spatial: 8 concurrent requests + 4 replays"] = time.monotonic() - started
     watchdog = psutil.Process(int(state["pid"]))
     tree = [watchdog, *watchdog.children(recursive=True)]
