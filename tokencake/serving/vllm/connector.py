@@ -210,6 +210,9 @@ class TokenCakeConnector(KVConnectorBase_V1):
     """Temporal KV management around agent tool calls (offload, prefetch, demand load)."""
 
     _cache_hit_source = CacheHitSource.HOST
+    #: Scheduler-side hook time since the last step (see ``_timed``); a class default, so an
+    #: instance built without ``__init__`` (tests, subclasses) is timed too.
+    _hook_s: float = 0.0
 
     @property
     def requires_kv_delivery(self) -> bool:
