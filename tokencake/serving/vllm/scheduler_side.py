@@ -779,8 +779,8 @@ class SchedulerSide:
         """
         req_id = request.request_id
         info = self._reqs.get(req_id)
-        if (info is None or not info.critical) and len(self._critical_idle):
-            self._critical_before = self._critical_cached()
+        if (info is None or not info.critical) and len(self._critical_idle) and self._critical_before is None:
+            self._critical_before = self._critical_cached()  # once per scheduling pass (kept current)
         try:
             self._make_room(request, num_computed_tokens)
         except Exception:  # room is an optimisation: never fail the admission over it
@@ -842,7 +842,7 @@ class SchedulerSide:
             self._critical_idle.pop(info.session_id)  # its blocks are in use again
         before, self._critical_before = self._critical_before, None
         if before is not None and (info is None or not info.critical):
-            self._count_inversions(before)
+            self._critical_before = self._count_inversions(before)  # the next admission's baseline
         if info is not None and info.session_id in self._kept:
             # Admitted: the request now holds the prefix blocks it hit; the keep has done its job.
             self._unkeep(info.session_id, "admitted")
@@ -888,14 +888,16 @@ class SchedulerSide:
             for sid, hashes in self._critical_idle.items()
         }
 
-    def _count_inversions(self, before: dict[str, int]) -> None:
-        """A non-critical request was admitted: did its allocation evict a critical session's KV?"""
+    def _count_inversions(self, before: dict[str, int]) -> dict[str, int]:
+        """A non-critical request was admitted: did its allocation evict a critical session's KV?
+        Returns the cached counts now."""
         after = self._critical_cached()
         for sid, n in before.items():
             lost = n - after.get(sid, n)
             if lost > 0:
                 self.stats.inc("spatial.critical_inversions")
                 self.stats.inc("spatial.critical_blocks_evicted", lost)
+        return after
 
     def _room_for_chain(self, session_id: str, req_id: str) -> bool:
         """Whether the device could take the session's missing chain blocks right now under the
