@@ -9,6 +9,9 @@ from tokencake.bench.metrics import (
     client_summary,
     equal_work,
     extension_summary,
+    merge_metrics,
+    merge_stats,
+    metric_value,
     parse_prometheus,
     percentile,
     server_summary,
@@ -289,3 +292,46 @@ def test_extension_summary_next_turn_share_and_readiness():
     assert only_not_needed["ready_rate"] == 1.0 and only_not_needed["on_time_rate_excl_not_needed"] is None
     foreign = extension_summary({"other": 1})
     assert foreign["ready_rate"] is None and foreign["readiness_eligible"] is None
+
+
+def test_replicas_metrics_add_up_and_kv_usage_is_their_mean():
+    a = parse_prometheus(
+        'vllm:prompt_tokens_total{engine="0"} 10\nvllm:kv_cache_usage_perc{engine="0"} 0.2\n'
+    )
+    b = parse_prometheus('vllm:prompt_tokens_total{engine="0"} 5\nvllm:kv_cache_usage_perc{engine="0"} 0.6\n')
+    merged = merge_metrics([a, b])
+    assert metric_value(merged, "vllm:prompt_tokens_total") == 15
+    assert metric_value(merged, "vllm:prompt_tokens_total", replica="1") == 5
+    assert metric_value(merged, "vllm:kv_cache_usage_perc") == pytest.approx(0.4)
+    assert merge_metrics([a]) is a
+
+
+def test_replicas_stats_add_counters_and_histograms_and_pool_sizes():
+    def doc(n: int, secs: list[float]) -> dict:
+        return {
+            "counters": {"offload.blocks": n, "readiness.eligible": 1},
+            "gauges": {"host_pool.free": 10},
+            "histograms": {
+                "offload.seconds": {
+                    "count": len(secs),
+                    "sum": sum(secs),
+                    "min": min(secs),
+                    "max": max(secs),
+                    "p50": secs[0],
+                }
+            },
+            "engine": {"device_blocks": 40, "block_bytes": 4096},
+            "config": {"host_pool_blocks": 80, "policy": "tokencake"},
+        }
+
+    merged = merge_stats([doc(2, [1.0]), doc(3, [2.0, 4.0]), None])
+    assert merged is not None
+    assert merged["counters"] == {"offload.blocks": 5, "readiness.eligible": 2}
+    assert merged["gauges"] == {"host_pool.free": 20}
+    h = merged["histograms"]["offload.seconds"]
+    assert (h["count"], h["sum"], h["min"], h["max"]) == (3, 7.0, 1.0, 4.0) and "p50" not in h
+    assert merged["engine"] == {"device_blocks": 80, "block_bytes": 4096}  # block size is not summed
+    assert merged["config"] == {"host_pool_blocks": 160, "policy": "tokencake"}
+    assert (merged["replicas"], merged["replicas_answered"]) == (3, 2)
+    assert extension_summary(merged)["offloaded_blocks"] == 5
+    assert merge_stats([None, None]) is None

@@ -3,7 +3,9 @@
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 
@@ -328,6 +330,10 @@ def test_aggregate_gives_every_headline_per_round_with_a_t_interval(make_round):
     assert agg["ready_rate"]["ci95"] == pytest.approx([0.5, 0.5])
     assert "prefetch_on_time_rate" not in agg  # measured in no round
     assert agg["baseline/ideal"]["n"] == 3
+    # Each system's own numbers per round too (the fixture's computed prompt tokens = 1000 x E2E).
+    assert agg["tokencake:e2e_mean_s"]["per_round"] == pytest.approx([16.0, 18.0, 17.0])
+    assert agg["baseline:computed_prompt_tokens"]["mean"] == pytest.approx(20000.0)
+    assert "ideal:prefix_hit_rate" not in agg  # not measured by the fixture
 
 
 def test_results_record_the_commit_its_dirtiness_and_the_load(tmp_path, monkeypatch):
@@ -400,3 +406,63 @@ def test_memory_per_system_counts_device_and_host_kv():
         "host_bytes": 0,
         "total_bytes": 40_000,
     }
+
+
+def test_replicas_systems_merge_every_replicas_metrics_and_stats(fake_server, fake_vllm, tmp_path):
+    """Two replicas behind a (fake) router: what the bench reports is both replicas' work."""
+    fake_server.make_backend = staticmethod(lambda server: fake_vllm(hit_fraction=0.5, stats=STATS))
+    started: list[Any] = []
+
+    class FakeReplicas:
+        def __init__(self, n, *, router_policy, log_dir, **kwargs):
+            self.policy, self.log_dir, self.kwargs = router_policy, log_dir, kwargs
+            self.servers = [
+                fake_server(**{**kwargs, "log_file": f"{log_dir}/replica-{i}.log"}) for i in range(n)
+            ]
+            for i, s in enumerate(self.servers):
+                s.base_url, s.events_url = f"http://replica{i}/v1", f"http://127.0.0.{i + 2}:9"
+            self.base_url, self.model = "http://router/v1", "fake"
+            self.turn = 0
+            started.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def handler(self, request: httpx.Request) -> httpx.Response:
+            host = request.url.host
+            if host == "router":  # round robin
+                self.turn += 1
+                return self.servers[self.turn % 2].backend.handler(request)
+            index = int(host[-1]) if host.startswith("replica") else int(host.rsplit(".", 1)[1]) - 2
+            return self.servers[index].backend.handler(request)
+
+    config = _config(systems=["replicas-affinity", "replicas-round-robin"])
+    results = run_bench(
+        config,
+        server_cls=fake_server,
+        replicas_cls=FakeReplicas,
+        log_dir=tmp_path / "logs",
+        transport=lambda: httpx.MockTransport(started[-1].handler),
+    )
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    assert results["valid"], results["warnings"]
+    by_policy = {r.policy: r for r in started}
+    assert set(by_policy) == {"consistent_hash", "round_robin"}
+    affinity = by_policy["consistent_hash"]
+    assert affinity.kwargs["num_gpu_blocks"] == 40 and affinity.log_dir.name == "ci-replicas-affinity"
+    point = results["points"][0]
+    for name, policy in (("replicas-affinity", "consistent_hash"), ("replicas-round-robin", "round_robin")):
+        r = by_policy[policy]
+        s = point["systems"][name]
+        served = [len(x.backend.bodies) for x in r.servers]
+        assert sum(served) == 6 and min(served) > 0, served
+        assert s["server"]["requests"] == 6  # both replicas' counters
+        assert s["extension"]["summary"]["offloaded_blocks"] == 6 * STATS["offload.blocks"]
+        assert s["kv"]["mean"] == pytest.approx(0.5)  # the mean of the replicas' usage, not the sum
+        assert s["num_gpu_blocks"] == 80 and s["system"]["replicas"] == 2
+        # No events listener through a router: the SDK marks requests for derived stalls.
+        metas = [b["kv_transfer_params"]["tokencake"] for x in r.servers for b in x.backend.bodies]
+        assert all(m.get("stall_events") is False for m in metas)

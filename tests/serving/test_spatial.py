@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencake.events import GraphMeta, RequestMeta
-from tokencake.serving.spatial import SpatialScorer, SpatialWeights
+from tokencake.serving.spatial import SpatialScorer, SpatialWeights, admission_weights
 
 
 def meta(
@@ -132,3 +132,19 @@ def test_weights_are_checked_and_apps_bounded() -> None:
         s.app_started(run, now=float(i))
     assert s.app_started("a", now=10.0) == 10.0  # "a" was dropped (LRU), seen anew
     assert SpatialScorer().max_overtake_s() == pytest.approx(140.0)
+
+
+def test_continuums_order_is_first_come_first_served_with_retained_programs_first() -> None:
+    s = SpatialScorer(admission_weights("continuum"))
+
+    def key(m: RequestMeta | None, arrival: float, retained: bool = False) -> float:
+        return s.order_key(m, arrival=arrival, preemptions=3, now=arrival, retained=retained)
+
+    critical, slack, plain = meta(critical=True, depth=9), meta(slack=50.0, run="b"), None
+    # DAG position, slack, preemptions and plain-ness do not matter: arrival order does.
+    assert key(slack, 1.0) < key(critical, 2.0) < key(plain, 3.0)
+    # A program whose KV is retained goes ahead of up to 30 s of earlier arrivals, no further.
+    assert key(slack, 29.0, retained=True) < key(critical, 0.0)
+    assert key(slack, 31.0, retained=True) > key(critical, 0.0)
+    assert s.max_overtake_s() == pytest.approx(30.0)
+    assert admission_weights(None) == admission_weights("unknown") == SpatialWeights()

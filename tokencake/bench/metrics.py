@@ -95,6 +95,26 @@ def parse_prometheus(text: str) -> Metrics:
     return out
 
 
+#: Gauges that are a share of one server's capacity: averaged, not summed, over replicas.
+MEAN_GAUGES = ("vllm:kv_cache_usage_perc",)
+
+
+def merge_metrics(parts: Sequence[Metrics]) -> Metrics:
+    """Several equal servers' metrics as one (replicas behind a router): every series is kept,
+    labelled with its replica, so counters, histograms and request gauges add up; the
+    :data:`MEAN_GAUGES` (a share of one server's KV) become their mean over the servers."""
+    if len(parts) == 1:
+        return parts[0]
+    out: Metrics = {}
+    for i, metrics in enumerate(parts):
+        for name, series in metrics.items():
+            out.setdefault(name, []).extend(({**lab, "replica": str(i)}, v) for lab, v in series)
+    for name in MEAN_GAUGES:
+        if name in out:
+            out[name] = [({}, sum(v for _lab, v in out[name]) / len(parts))]
+    return out
+
+
 def metric_value(metrics: Metrics, name: str, **labels: str) -> float:
     """Sum of all series of ``name`` whose labels include ``labels`` (0 when absent)."""
     return sum(v for lab, v in metrics.get(name, ()) if all(lab.get(k) == x for k, x in labels.items()))
@@ -215,7 +235,8 @@ def server_summary(before: Metrics, after: Metrics) -> dict[str, Any]:
 class KVSampler:
     """Polls ``/metrics`` in the background and keeps ``(t, kv_usage, running, waiting)`` samples.
 
-    ``fetch`` is an async callable returning the metrics text, so tests can feed canned text.
+    ``fetch`` is an async callable returning the metrics text (or parsed :data:`Metrics`, e.g.
+    several replicas' merged), so tests can feed canned text.
     """
 
     fetch: Callable[[], Any]
@@ -230,7 +251,7 @@ class KVSampler:
         except Exception:  # a slow or restarting server must not kill the benchmark
             self.errors += 1
             return
-        m = parse_prometheus(text)
+        m = text if isinstance(text, dict) else parse_prometheus(text)
         self.samples.append(
             {
                 "t": self.clock(),
@@ -412,6 +433,57 @@ def _share(part: float | None, whole: float | None) -> float | None:
     if part is None or whole is None or whole <= 0:
         return None
     return part / whole
+
+
+def merge_stats(docs: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """Several replicas' ``/v1/stats`` as one document: ``counters``, ``gauges`` and
+    ``histograms`` (sums and counts) add up, as do the device and host pool sizes; everything
+    else is the first replica's (the same configuration everywhere). None if none answered."""
+    present = [d for d in docs if d]
+    if not present:
+        return None
+    if len(present) == 1 and len(docs) == 1:
+        return dict(present[0])
+
+    def add(a: Any, b: Any) -> Any:
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            return {k: add(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {*a, *b}}
+        if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
+            return a + b
+        return a
+
+    def histogram(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
+        # count and sum add up, min and max combine; per-replica quantiles cannot be merged.
+        seen = [h for h in parts if h.get("count")]
+        count = sum(h["count"] for h in seen)
+        if not count:
+            return {"count": 0}
+        total = sum(h.get("sum") or 0.0 for h in seen)
+        return {
+            "count": count,
+            "sum": total,
+            "mean": total / count,
+            "min": min(h.get("min", math.inf) for h in seen),
+            "max": max(h.get("max", -math.inf) for h in seen),
+        }
+
+    out = dict(present[0])
+    for section in ("counters", "gauges"):
+        merged: Any = {}
+        for d in present:
+            merged = add(merged, d.get(section) or {})
+        out[section] = merged
+    names = {k for d in present for k in (d.get("histograms") or {})}
+    out["histograms"] = {
+        k: histogram([(d.get("histograms") or {}).get(k) or {} for d in present]) for k in sorted(names)
+    }
+    for section, key in (("engine", "device_blocks"), ("config", "host_pool_blocks")):
+        values = [(d.get(section) or {}).get(key) for d in present]
+        if all(isinstance(v, int | float) for v in values) and isinstance(out.get(section), Mapping):
+            out[section] = {**out[section], key: sum(values)}
+    out["replicas"] = len(docs)
+    out["replicas_answered"] = len(present)
+    return out
 
 
 def stats_delta(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> dict[str, float]:

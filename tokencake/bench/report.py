@@ -197,6 +197,14 @@ ROUND_HEADLINES: dict[str, tuple[str, str]] = {
     "infercept/ideal": ("E2E mean infercept/ideal", ".3f"),
     "stock-connector/baseline": ("E2E mean stock-connector/baseline (connector loaded, no policy)", ".3f"),
     "tokencake/hold-off": ("E2E mean tokencake/hold-off (holding prefetched chains vs not)", ".3f"),
+    "continuum-queue/continuum": ("E2E mean continuum-queue/continuum (Continuum's queue order)", ".3f"),
+    "tokencake/continuum-queue": ("E2E mean tokencake/continuum-queue", ".3f"),
+    "spatial/tokencake": ("E2E mean spatial/tokencake (spatial scheduler on vs off)", ".3f"),
+    "spatial/ideal": ("E2E mean spatial/ideal", ".3f"),
+    "replicas-affinity/replicas-round-robin": (
+        "E2E mean replicas-affinity/replicas-round-robin (session affinity vs none)",
+        ".3f",
+    ),
     "captured_fraction": ("captured fraction (baseline - tokencake) / (baseline - ideal)", ".2f"),
     "prefetch_on_time_rate": ("prefetch on-time rate", ".2f"),
     "next_turn_recomputed_share": ("next-turn recomputed share", ".2f"),
@@ -204,6 +212,25 @@ ROUND_HEADLINES: dict[str, tuple[str, str]] = {
     "ready_rate_with_room": ("ready rate where the device had room at arrival", ".2f"),
     "on_time_rate_excl_not_needed": ("on-time rate excl. not needed", ".2f"),
 }
+
+
+#: Per-system series of ``rounds`` (``"<system>:<key>"``): key -> (label, format).
+SYSTEM_ROUND_ROWS: dict[str, tuple[str, str]] = {
+    "e2e_mean_s": ("app E2E mean (s)", ".2f"),
+    "prefix_hit_rate": ("prefix hit rate", ".3f"),
+    "host_token_share": ("prompt tokens from host", ".3f"),
+}
+
+
+def round_rows(rounds: Mapping[str, Any]) -> list[tuple[str, tuple[str, str]]]:
+    """The headline rows present in ``rounds``, then each system's own per-round rows."""
+    rows = [(k, v) for k, v in ROUND_HEADLINES.items() if k in rounds]
+    for key in rounds:
+        name, _, stat = key.partition(":")
+        if stat in SYSTEM_ROUND_ROWS:
+            label, spec = SYSTEM_ROUND_ROWS[stat]
+            rows.append((key, (f"{name}: {label}", spec)))
+    return rows
 
 
 def interval_cells(entry: Mapping[str, Any], spec: str) -> tuple[str, str, str]:
@@ -340,10 +367,9 @@ def render(results: Mapping[str, Any], console: Console | None = None) -> None:
         rounds = agg.get("rounds") or {}
         if rounds:
             lines.append("  per round → mean [95 % CI, Student t over rounds]:")
-        for key, (label, spec) in ROUND_HEADLINES.items():
-            if key in rounds:
-                per_round, mean, interval = interval_cells(rounds[key], spec)
-                lines.append(f"  {label}: {per_round} → {mean} {interval}")
+        for key, (label, spec) in round_rows(rounds):
+            per_round, mean, interval = interval_cells(rounds[key], spec)
+            lines.append(f"  {label}: {per_round} → {mean} {interval}")
         paired = agg.get("paired") or {}
         if paired:
             lines.append("  paired by app → ratio of mean E2E [bootstrap 95 % CI]:")
@@ -418,9 +444,8 @@ def markdown(results: Mapping[str, Any]) -> str:
             "| headline | per round | mean | 95 % CI |",
             "|---|---|---|---|",
         ]
-        for key, (label, spec) in ROUND_HEADLINES.items():
-            if key in rounds:
-                out.append(f"| {label} | " + " | ".join(interval_cells(rounds[key], spec)) + " |")
+        for key, (label, spec) in round_rows(rounds):
+            out.append(f"| {label} | " + " | ".join(interval_cells(rounds[key], spec)) + " |")
         out.append("")
         paired = agg.get("paired") or {}
         if paired:

@@ -17,7 +17,7 @@ import platform
 import random
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +30,12 @@ from tokencake.bench.calls import CallRecorder
 from tokencake.bench.intervals import mean_ci, paired_ratio_bootstrap
 from tokencake.bench.metrics import (
     KVSampler,
+    Metrics,
     client_summary,
     equal_work,
     extension_summary,
+    merge_metrics,
+    merge_stats,
     parse_prometheus,
     ratio,
     server_summary,
@@ -181,10 +184,14 @@ async def replay(
     llm_factory: Callable[..., Any] | None = None,
     transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
     warmup: bool = True,
+    backends: Sequence[tuple[str, str | None]] | None = None,
 ) -> dict[str, Any]:
     """Run every arrival of ``workload`` against one running server; returns the raw measurements.
 
     ``transport`` makes the HTTP transports (tests pass an ``httpx.MockTransport`` factory).
+    ``backends``: for replicas behind a router at ``base_url``, each replica's (root URL, stats URL
+    or None); their metrics and stats are read and merged instead of ``base_url``'s and
+    ``events_url``'s (pass ``events_url=False``: no events listener is reachable through a router).
     ``warmup`` sends one short, unrelated chat completion first and discards it (a fresh server's
     first request pays one-time costs; its prompt shares no prefix with the workload's).
     """
@@ -197,18 +204,30 @@ async def replay(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
         )
 
-    root = _root_url(base_url)
+    if backends:
+        roots = [root for root, _stats in backends]
+        stats_urls = [] if stock else [u for _root, u in backends if u]
+    else:
+        roots = [_root_url(base_url)]
+        stats_urls = [f"{events_url.rstrip('/')}{STATS_PATH}"] if (events_url and not stock) else []
     async with httpx.AsyncClient(timeout=30.0, transport=make_transport()) as probe:
 
-        async def fetch_metrics() -> str:
-            response = await probe.get(f"{root}/metrics")
-            response.raise_for_status()
-            return response.text
+        async def fetch_metrics() -> Metrics:
+            parts = []
+            for root in roots:
+                response = await probe.get(f"{root}/metrics")
+                response.raise_for_status()
+                parts.append(parse_prometheus(response.text))
+            return merge_metrics(parts)
 
-        stats_url = f"{events_url.rstrip('/')}{STATS_PATH}" if (events_url and not stock) else None
+        async def fetch_stats() -> dict[str, Any] | None:
+            if not stats_urls:
+                return None
+            return merge_stats([await _get_json(probe, u) for u in stats_urls])
+
         warmup_s = await _warmup(probe, base_url, model) if warmup else None
-        metrics_before = parse_prometheus(await fetch_metrics())
-        stats_before = await _get_json(probe, stats_url) if stats_url else None
+        metrics_before = await fetch_metrics()
+        stats_before = await fetch_stats()
 
         recorder = CallRecorder(make_transport(), overrides=workload.llm.overrides())
         http_client = httpx.AsyncClient(
@@ -279,8 +298,8 @@ async def replay(
             await sampler.sample_once()
             outer.cancel_scope.cancel()
 
-        metrics_after = parse_prometheus(await fetch_metrics())
-        stats_after = await _get_json(probe, stats_url) if stats_url else None
+        metrics_after = await fetch_metrics()
+        stats_after = await fetch_stats()
         aclose = getattr(llm, "aclose", None)
         if aclose is not None:
             await aclose()  # the SDK's stall reporter; our http_client is closed below
@@ -301,7 +320,7 @@ async def replay(
                 "delta": stats_delta(stats_before, stats_after),
                 "after": stats_after,
             }
-            if stats_url
+            if stats_urls
             else None
         ),
         "kv": sampler.summary(t0),
@@ -373,6 +392,12 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("infercept", "ideal"),
     ("stock-connector", "baseline"),
     ("tokencake", "hold-off"),
+    ("continuum-queue", "continuum"),
+    ("tokencake", "continuum-queue"),
+    ("spatial", "tokencake"),
+    ("spatial", "ideal"),
+    # Two replicas behind a router (issue 15): session affinity against round robin.
+    ("replicas-affinity", "replicas-round-robin"),
 )
 #: Extension summary fields of the ``tokencake`` system copied into each point's comparison.
 EXTENSION_HEADLINES: tuple[str, ...] = (
@@ -464,7 +489,8 @@ def memory_of(spec: SystemSpec, config: BenchConfig, data: Mapping[str, Any]) ->
     """
     after = (data.get("extension") or {}).get("after") or {}
     engine, cfg = after.get("engine") or {}, after.get("config") or {}
-    device = engine.get("device_blocks") or config.server.blocks_for(spec)
+    blocks_each = config.server.blocks_for(spec)
+    device = engine.get("device_blocks") or (blocks_each and blocks_each * spec.replicas)
     host = 0 if spec.stock else cfg.get("host_pool_blocks")
     block_bytes = engine.get("block_bytes")
     return {
@@ -508,7 +534,26 @@ def per_round_intervals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         series[key] = [(p["comparison"].get(key) or {}).get("mean") for p in rounds]
     for key in ("captured_fraction", *EXTENSION_HEADLINES):
         series[key] = [p["comparison"].get(key) for p in rounds]
+    for name in dict.fromkeys(n for p in rounds for n in p["systems"]):
+        for key, value in SYSTEM_SERIES.items():
+            series[f"{name}:{key}"] = [
+                value(p["systems"][name]) if name in p["systems"] else None for p in rounds
+            ]
     return {k: mean_ci(v) for k, v in series.items() if any(x is not None for x in v)}
+
+
+def _host_token_share(system: Mapping[str, Any]) -> float | None:
+    ext = (system.get("extension") or {}).get("summary") or {}
+    return ratio(ext.get("tokens_from_host"), system["server"].get("prompt_tokens"))
+
+
+#: Per-system numbers given per round with their interval (``aggregate[point]["rounds"]["<system>:<key>"]``).
+SYSTEM_SERIES: dict[str, Callable[[Mapping[str, Any]], float | None]] = {
+    "e2e_mean_s": lambda s: s["client"]["e2e_s"].get("mean"),
+    "prefix_hit_rate": lambda s: s["server"].get("prefix_hit_rate"),
+    "host_token_share": _host_token_share,
+    "computed_prompt_tokens": lambda s: s["server"].get("computed_prompt_tokens"),
+}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -625,8 +670,13 @@ def run_bench(
     server_cls: Any = None,
     build_app: Callable[..., Any] = _apps.build,
     transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
+    replicas_cls: Any = None,
 ) -> dict[str, Any]:
-    """Run every point against every system, sequentially; returns the results dict."""
+    """Run every point against every system, sequentially; returns the results dict.
+
+    ``server_cls`` starts one server (default :class:`tokencake.serving.Server`), ``replicas_cls``
+    a system's replicas behind a router (default :class:`tokencake.serving.replicas.Replicas`).
+    """
     if server_cls is None:
         from tokencake.serving import Server as server_cls
     progress = progress or Progress()
@@ -654,7 +704,7 @@ def run_bench(
             progress.system_starting(label, spec.name, point.workload.num_apps)
             t_boot = time.time()
             try:
-                with server_cls(**kwargs) as server:
+                with _start(spec, kwargs, server_cls, replicas_cls) as server:
                     boot_s = time.time() - t_boot
                     progress.server_ready(label, spec.name, boot_s)
                     data = anyio.run(
@@ -677,7 +727,8 @@ def run_bench(
                 progress.system_done(label, spec.name, time.time() - t_boot)
                 continue
             data["system"] = spec.to_dict()
-            data["num_gpu_blocks"] = config.server.blocks_for(spec)
+            blocks_each = config.server.blocks_for(spec)
+            data["num_gpu_blocks"] = blocks_each * spec.replicas if blocks_each else blocks_each
             data["server_start_s"] = round(boot_s, 3)
             data["memory"] = memory_of(spec, config, data)
             kv = data.get("kv") or {}
@@ -748,6 +799,19 @@ def run_bench(
     }
 
 
+def _start(spec: SystemSpec, kwargs: dict[str, Any], server_cls: Any, replicas_cls: Any) -> Any:
+    """The server(s) of one system: ``server_cls(**kwargs)``, or replicas behind a router."""
+    if spec.replicas <= 1:
+        return server_cls(**kwargs)
+    if replicas_cls is None:
+        from tokencake.serving.replicas import Replicas as replicas_cls
+
+    kwargs = dict(kwargs)
+    log_file = kwargs.pop("log_file", None)
+    log_dir = Path(log_file).with_suffix("") if log_file else None
+    return replicas_cls(spec.replicas, router_policy=spec.router_policy, log_dir=log_dir, **kwargs)
+
+
 async def _replay_on(
     workload: Workload,
     server: Any,
@@ -757,11 +821,19 @@ async def _replay_on(
     build_app: Callable[..., Any],
     transport: Callable[[], httpx.AsyncBaseTransport] | None,
 ) -> dict[str, Any]:
+    replicas = getattr(server, "servers", None) if spec.replicas > 1 else None
+    backends = None
+    if replicas:
+        backends = [
+            (_root_url(s.base_url), f"{s.events_url.rstrip('/')}{STATS_PATH}" if s.events_url else None)
+            for s in replicas
+        ]
     return await replay(
         workload,
         base_url=server.base_url,
         model=getattr(server, "model", None),
-        events_url=getattr(server, "events_url", None),
+        events_url=False if replicas else getattr(server, "events_url", None),
+        backends=backends,
         stock=spec.stock,
         kv_interval_s=config.kv_interval_s,
         app_timeout_s=config.app_timeout_s,

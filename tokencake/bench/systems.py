@@ -24,6 +24,12 @@ state.
                     free queue): the hold rule's ablation
 ``spatial``         tokencake with the spatial scheduler (``--scheduler-cls``: waiting requests admitted
                     by spatial score instead of priority, then arrival; ``tokencake/serving/spatial.py``)
+``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
+                    (first come first served, a program whose KV is retained first)
+``replicas-affinity`` two tokencake replicas (``device_blocks`` each, one core each on a CPU machine)
+                    behind vllm-router keyed on the session (``--policy consistent_hash``); stalls are
+                    derived from the requests (no events listener through a router)
+``replicas-round-robin`` the same two replicas behind the router's ``round_robin``: no affinity
 =================== =================================================================================
 
 The ``*-priority`` controls isolate vLLM's priority scheduler (which also changes which request vLLM
@@ -64,6 +70,10 @@ class SystemSpec:
     connector: dict[str, Any] = field(default_factory=dict)
     #: Extension systems: vLLM ``--scheduler-cls`` (None: vLLM's own scheduler).
     scheduler: str | None = None
+    #: Servers behind vllm-router (``tokencake.serving.replicas``); 1 = one server, no router.
+    replicas: int = 1
+    #: The router's policy when ``replicas > 1`` (``ROUTER_POLICIES``).
+    router_policy: str = "consistent_hash"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +86,7 @@ class SystemSpec:
             "policy": None if self.stock else self.policy,
             **({"connector": dict(self.connector)} if self.connector else {}),
             **({"scheduler": self.scheduler} if self.scheduler else {}),
+            **({"replicas": self.replicas, "router_policy": self.router_policy} if self.replicas > 1 else {}),
         }
 
 
@@ -162,6 +173,31 @@ SYSTEMS: dict[str, SystemSpec] = {
         flags=dict(_ALL_ON),
         scheduler=SPATIAL_SCHEDULER,
         description="tokencake + the spatial scheduler (waiting requests by spatial score)",
+    ),
+    "continuum-queue": SystemSpec(
+        "continuum-queue",
+        stock=False,
+        flags=dict(_ALL_ON),
+        policy="continuum",
+        scheduler=SPATIAL_SCHEDULER,
+        description="extension, continuum policy + its queue order (retained programs first)",
+    ),
+    # Affinity vs none, same replicas and KV: what keeping a session on one replica is worth.
+    "replicas-affinity": SystemSpec(
+        "replicas-affinity",
+        stock=False,
+        flags=dict(_ALL_ON),
+        replicas=2,
+        router_policy="consistent_hash",
+        description="2 tokencake replicas behind vllm-router, sessions kept on one replica",
+    ),
+    "replicas-round-robin": SystemSpec(
+        "replicas-round-robin",
+        stock=False,
+        flags=dict(_ALL_ON),
+        replicas=2,
+        router_policy="round_robin",
+        description="2 tokencake replicas behind vllm-router's round robin (no affinity)",
     ),
 }
 ALIASES = {"offload-only": "prefetch-off", "stock": "baseline", "vllm": "baseline"}

@@ -91,6 +91,11 @@ class Replicas:
         """The router's OpenAI base URL (what clients use)."""
         return f"http://{self.host}:{self.port}/v1"
 
+    @property
+    def model(self) -> str | None:
+        """The name clients send as ``model`` (every replica serves the same)."""
+        return self.servers[0].model if self.servers else None
+
     def _cores(self, i: int) -> dict[str, str]:
         cores = os.cpu_count() or 1
         if self.n <= 1 or cores < self.n:

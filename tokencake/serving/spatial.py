@@ -23,6 +23,11 @@ that has waited ``(max_base − min_base) / aging`` seconds outranks any newcome
 :meth:`SpatialScorer.max_overtake_s` is that bound (the starvation guarantee: with the defaults a
 request is overtaken by later arrivals for at most 140 s of waiting).
 
+The KV policy chooses the weights (:func:`admission_weights` of its ``admission``): TokenCake's
+policy the score above; Continuum's the order its paper schedules by, first come first served except
+that a request whose program's KV is retained on device goes first (``CONTINUUM``: every term zero
+but ``retained_s``, so a retained session overtakes for at most ``retained_s`` of waiting).
+
 Pure Python (no vLLM): ``tokencake/serving/vllm/scheduler.py`` applies it inside vLLM's scheduler.
 """
 
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 
 from tokencake.events import RequestMeta
 
-__all__ = ["SpatialScorer", "SpatialWeights"]
+__all__ = ["ADMISSIONS", "SpatialScorer", "SpatialWeights", "admission_weights"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,26 @@ class SpatialWeights:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+
+
+#: Admission orders a KV policy can ask for (``KVPolicy.admission``).
+ADMISSIONS: dict[str, SpatialWeights] = {
+    "spatial": SpatialWeights(),
+    # Continuum: FCFS, but a program whose KV is retained (a TTL pin) is scheduled first.
+    "continuum": SpatialWeights(
+        plain_slack_s=0.0,
+        max_slack_s=0.0,
+        per_remaining_depth_s=0.0,
+        app_age=0.0,
+        per_preemption_s=0.0,
+        retained_s=30.0,
+    ),
+}
+
+
+def admission_weights(name: str | None) -> SpatialWeights:
+    """The weights of admission order ``name`` (unknown or None: the spatial score's)."""
+    return ADMISSIONS.get(name or "spatial", ADMISSIONS["spatial"])
 
 
 @dataclass

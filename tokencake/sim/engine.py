@@ -186,6 +186,11 @@ class Engine:
             self.cache.cache(req.blocks[i], req.session.key(i))
         req.cached_upto = max(req.cached_upto, min(full, len(req.blocks)))
 
+    def mean_step_s(self, last: int = 64) -> float:
+        """Mean duration of the last ``last`` steps (0 before the first)."""
+        recent = list(self.step_durations)[-last:]
+        return sum(recent) / len(recent) if recent else 0.0
+
     def _step_time(self, scheduled: list[tuple[Request, int]]) -> float:
         p = self.profile
         if not scheduled:

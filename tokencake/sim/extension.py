@@ -222,6 +222,8 @@ class KVExtension:
             at_finish=at_finish,
             announced=announced,
             kept=session.session_id in self._holds,
+            now_s=self.now,
+            step_s=self.engine.mean_step_s(),
         )
 
     def _count(self, where: str, plan: Plan) -> None:

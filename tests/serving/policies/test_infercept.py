@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tokencake.serving.policies import InferceptPolicy
 
 
@@ -36,3 +38,24 @@ def test_the_choice_at_announcement_stands_for_the_stall(make_view) -> None:
 def test_wastes_use_the_batch_memory(make_view) -> None:
     w = InferceptPolicy().wastes(make_view(device_blocks=100, device_free_blocks=20, recompute_s=2.0))
     assert w["discard"] == 2.0 * 80 and w["preserve"] == 10 * 5.0
+
+
+def test_swaps_beyond_the_per_step_budget_preserve_or_discard_instead(make_view) -> None:
+    # Each swap books 0.03 s on the copy lane; a step takes 0.05 s: the budget (1 step) takes a
+    # new swap while the lane's queue is at most 0.05 s long.
+    p = InferceptPolicy(budget_steps=1.0)
+
+    def at(now: float, sid: str):
+        v = make_view(session_id=sid, d2h_s=0.03, now_s=now, step_s=0.05, gate={"predicted_s": 30.0})
+        return p.on_stall(v)
+
+    # Lane queue before each: 0, then 0.03 s (both within one step), then 0.06 s (beyond it): the
+    # third would wait behind the others and stall the batch, so min-waste picks among the rest
+    # (discard 1 s x 80 blocks < preserve 10 blocks x 30 s).
+    assert [at(10.0, s).reason for s in ("a", "b", "c")] == ["swap", "swap", "discard"]
+    assert p.stats()["over_swap_budget"] == 1
+    assert at(10.1, "d").reason == "swap"  # the lane drained meanwhile
+    # Without a measured step time the budget does not apply.
+    assert InferceptPolicy().within_budget(make_view(now_s=0.0, step_s=0.0))
+    with pytest.raises(ValueError, match="budget_steps"):
+        InferceptPolicy(budget_steps=0)

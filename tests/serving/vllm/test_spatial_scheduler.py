@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from vllm import SamplingParams
-from vllm.v1.core.sched.request_queue import PriorityRequestQueue, RequestQueue
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
@@ -110,3 +110,25 @@ def test_a_request_whose_session_kv_is_held_is_admitted_first() -> None:
     q.add_request(req("b", now, slack=4.0))  # newer, but its prefetched chain waits on device
     q.add_request(req("p", now - 9, plain=True))
     assert drain(q) == ["b", "p", "a"]
+
+
+def test_the_kv_policy_chooses_the_admission_order() -> None:
+    """With the continuum policy the queue is Continuum's (FCFS, retained programs first)."""
+    from types import SimpleNamespace
+
+    from tokencake.serving.policies import make_policy
+
+    def swapped(policy: str) -> ScoredRequestQueue:
+        side = SimpleNamespace(policy=make_policy(policy), holds_kv=lambda session: False)
+        sched = SimpleNamespace(connector=SimpleNamespace(sched=side), waiting=FCFSRequestQueue())
+        spatial._swap_waiting_queue(sched)
+        assert isinstance(sched.waiting, ScoredRequestQueue)
+        return sched.waiting
+
+    now = 1000.0
+    for policy, order in (("tokencake", ["c", "a"]), ("continuum", ["a", "c"])):
+        q = swapped(policy)
+        q.clock = lambda: now
+        q.add_request(req("a", now - 5, slack=60.0))
+        q.add_request(req("c", now, critical=True))
+        assert drain(q) == order, policy

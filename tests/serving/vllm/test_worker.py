@@ -337,7 +337,16 @@ def _stalling_worker(stall_s: float) -> tuple[WorkerSide, dict[str, torch.Tensor
     caches = {f"l{i}": torch.randn((10, 2, 8, 4), generator=gen) for i in range(2)}
     w = WorkerSide(10, 4, faults=faults, clock=clock, sleep=clock.sleep)
     w.register_kv_caches(caches)
+    _clear_host(w)
     return w, caches, clock
+
+
+def _clear_host(w: WorkerSide) -> None:
+    """The host pool is ``torch.empty``: its bytes are whatever that memory held (NaNs, which
+    compare unequal to themselves, or an earlier test's copy of the same seeded block)."""
+    assert w.copier is not None
+    for t in w.copier.host_tensors:
+        t.zero_()
 
 
 def test_stalled_copy_writes_nothing_until_it_is_due() -> None:
@@ -444,6 +453,7 @@ def test_injected_copy_failure_writes_nothing_and_reports_the_blocks() -> None:
     caches = {"l0": torch.randn((10, 2, 8, 4), generator=gen)}
     w = WorkerSide(10, 4, faults=Faults(copy_fail=1.0, kinds=frozenset({"load", "offload"})))
     w.register_kv_caches(caches)
+    _clear_host(w)  # (this test was flaky in full-suite order: uninitialized host bytes can be NaN)
     before = caches["l0"].clone()
     host_before = w.copier.host_tensors[0].clone()
     w.start_jobs(
@@ -462,7 +472,8 @@ def test_injected_copy_failure_writes_nothing_and_reports_the_blocks() -> None:
         res = w.take_results()
         results.update(res.results if res is not None else {})
         time.sleep(0.01)
-    assert {j: r.ok for j, r in results.items()} == {1: False, 2: True, 3: False}
+    seen = {j: (r.ok, r.error) for j, r in results.items()}
+    assert {j: r.ok for j, r in results.items()} == {1: False, 2: True, 3: False}, (seen, w.counters)
     assert "injected" in (results[1].error or "")
     assert w.take_load_errors() == {3, 4}
     assert torch.equal(caches["l0"][[3, 4]], before[[3, 4]])

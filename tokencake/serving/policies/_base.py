@@ -60,6 +60,10 @@ class PolicyView:
     announced: bool = False
     #: The session's blocks are already held on device by an earlier ``keep``.
     kept: bool = False
+    #: The engine's clock at this decision (seconds; the simulator's own time under ``tokencake sim``).
+    now_s: float = 0.0
+    #: Recent mean duration of an engine step with work in it (0 when not known yet).
+    step_s: float = 0.0
 
     @property
     def key(self) -> str:
@@ -108,12 +112,14 @@ class KVPolicy:
 
     ``uses_events``: the policy acts on stall events (False: only on finished requests, as a tiered
     cache without events does). ``demand_load``: next-turn requests that miss on device load what
-    the host pool holds.
+    the host pool holds. ``admission``: the order of waiting requests the policy asks for when the
+    spatial scheduler runs (``tokencake.serving.spatial.ADMISSIONS``).
     """
 
     name = "base"
     uses_events = True
     demand_load = True
+    admission = "spatial"
 
     def on_finished(self, view: PolicyView) -> Plan:
         """A request of this session finished; its blocks are still held by vLLM right now."""

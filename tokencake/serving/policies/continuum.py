@@ -25,6 +25,8 @@ from tokencake.serving.policies._base import EventPolicy, Plan, PolicyView
 
 class ContinuumPolicy(EventPolicy):
     name = "continuum"
+    #: Continuum schedules a program whose KV it retains first (spatial scheduler on).
+    admission = "continuum"
 
     def __init__(
         self,

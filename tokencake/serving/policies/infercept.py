@@ -5,9 +5,13 @@ the batch (at least ``C``), ``T`` the forecast time left in the tool call:
 
 - preserve: ``C · T`` — the blocks sit idle on device for the whole call;
 - discard: ``R · M`` — recomputing the context (``R`` s, prefill profile) on return holds up the batch;
-- swap: ``(D2H + H2D) · M`` — the copies hold up the batch (InferCept's rule without a per-step
-  swap budget: our copies overlap compute, so this overstates the cost of a swap); impossible when
-  the host pool has no room.
+- swap: ``(D2H + H2D) · M`` — the copies hold up the batch (our copies overlap compute, so this
+  overstates the cost of a swap); impossible when the host pool has no room, and beyond the
+  **swap budget**: InferCept swaps only as much as overlaps an iteration's compute. Here the swaps
+  chosen so far are booked on one copy lane (each its D2H seconds, back to back); a new swap is
+  possible only if it would start within ``budget_steps`` engine steps (``step_s``, measured) —
+  otherwise it would queue behind the others and stall the batch, so preserve or discard wins.
+  With no step time measured yet the budget does not apply.
 
 The least wins. Swap copies the blocks to host and brings them back when the tool returns
 (``at_end``); preserve holds them on device until the next request is admitted (bounded by the stall
@@ -27,7 +31,13 @@ from tokencake.serving.prefetch import stall_expiry_s
 class InferceptPolicy(EventPolicy):
     name = "infercept"
 
-    def __init__(self, max_sessions: int = 4096) -> None:
+    def __init__(self, max_sessions: int = 4096, budget_steps: float = 1.0) -> None:
+        if not budget_steps > 0:
+            raise ValueError(f"budget_steps must be > 0, got {budget_steps!r}")
+        self.budget_steps = float(budget_steps)
+        #: Engine time at which the swaps booked so far have left the device.
+        self._lane_free_at = 0.0
+        self._over_budget = 0
         self._last: dict[str, float] = {}
         #: Choice made at ``request_finished`` per session: the stall that follows keeps it.
         self._decided: OrderedDict[str, Plan] = OrderedDict()
@@ -45,8 +55,19 @@ class InferceptPolicy(EventPolicy):
         return {
             "preserve": c * t,
             "discard": max(view.recompute_s, 0.0) * m,
-            "swap": copy_s * m if room >= to_copy else math.inf,
+            "swap": copy_s * m if room >= to_copy and self.within_budget(view) else math.inf,
         }
+
+    def within_budget(self, view: PolicyView) -> bool:
+        """Whether a swap of this session would start within the per-step swap budget."""
+        if view.step_s <= 0:
+            return True
+        queued = max(self._lane_free_at - view.now_s, 0.0)
+        return queued <= self.budget_steps * view.step_s
+
+    def _book(self, view: PolicyView) -> None:
+        start = max(self._lane_free_at, view.now_s)
+        self._lane_free_at = start + max(view.d2h_s, 0.0)
 
     def decide(self, view: PolicyView) -> Plan:
         if view.num_blocks == 0:
@@ -54,9 +75,12 @@ class InferceptPolicy(EventPolicy):
         waste = self.wastes(view)
         choice = min(waste, key=lambda k: (waste[k], k))
         self._last = waste
+        if not self.within_budget(view):
+            self._over_budget += 1
         if choice == "preserve":
             return Plan("keep", "preserve", keep_s=stall_expiry_s(view.gate.predicted_s))
         if choice == "swap":
+            self._book(view)
             return Plan("offload", "swap", prefetch="at_end", evict_first=True)
         return Plan("discard", "discard")
 
@@ -78,4 +102,8 @@ class InferceptPolicy(EventPolicy):
         return self.decide(view)
 
     def stats(self) -> dict[str, Any]:
-        return {"name": self.name, "last_waste": {k: round(v, 4) for k, v in self._last.items()}}
+        return {
+            "name": self.name,
+            "last_waste": {k: round(v, 4) for k, v in self._last.items()},
+            "over_swap_budget": self._over_budget,
+        }

@@ -29,7 +29,7 @@ from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from tokencake.serving.spatial import SpatialScorer
+from tokencake.serving.spatial import SpatialScorer, admission_weights
 from tokencake.serving.vllm.scheduler_side import request_meta
 
 log = logging.getLogger("vllm.tokencake.scheduler")  # under "vllm": vLLM formats and shows it
@@ -141,10 +141,14 @@ def _swap_waiting_queue(scheduler: Any) -> None:
         return
     side = getattr(getattr(scheduler, "connector", None), "sched", None)  # the TokenCake connector's
     holds = getattr(side, "holds_kv", None)
-    queue = ScoredRequestQueue(retained=holds if callable(holds) else None)
+    # The KV policy chooses the order (Continuum's differs from TokenCake's score).
+    admission = getattr(getattr(side, "policy", None), "admission", None)
+    queue = ScoredRequestQueue(
+        scorer=SpatialScorer(admission_weights(admission)), retained=holds if callable(holds) else None
+    )
     queue.prepend_requests(list(scheduler.waiting))
     scheduler.waiting = queue
-    log.info("TokenCake spatial scheduler on: waiting requests by spatial score")
+    log.info("TokenCake spatial scheduler on: waiting requests by %s order", admission or "spatial")
 
 
 class _SyncSpatialScheduler(Scheduler):

@@ -561,6 +561,8 @@ class SchedulerSide:
             at_finish=at_finish,
             announced=announced,
             kept=session_id in self._kept,
+            now_s=now,
+            step_s=self._mean_step_s(),
         )
 
     def _count_plan(self, where: str, plan: Plan) -> None:
@@ -1281,6 +1283,10 @@ class SchedulerSide:
             self._step_gaps.append(gap)
             self.profile.observe_step(last[1], gap)
         self._last_step = (t, n)
+
+    def _mean_step_s(self) -> float:
+        """Mean duration of the recent engine steps that ran work (0 before two such steps)."""
+        return sum(self._step_gaps) / len(self._step_gaps) if self._step_gaps else 0.0
 
     def _step_wait_s(self) -> float:
         """Expected wait from a random moment to the engine's next step boundary, in seconds.
