@@ -178,3 +178,28 @@ async def test_tool_results_are_serialized_for_the_model():
     assert json.loads(content) == {"n": 3, "items": [1, 2], "note": "ü"}
     assert llm.requests[1]["tool_choice"] == "none"
     assert llm.requests[0]["kv_transfer_params"]["tokencake"]["next_stall"]["tool"] == "info"
+
+
+async def test_node_extra_body_goes_into_every_call_and_a_calls_own_keys_win():
+    app = tc.App("sampling")
+
+    @app.agent(temperature=0.0, extra_body={"repetition_penalty": 1.1, "top_k": 5})
+    async def writer(ctx, inputs):
+        await ctx.llm("first")
+        return await ctx.llm("second", extra_body={"top_k": 1})
+
+    llm = tc.ScriptedLLM(["ok", "ok"])
+    await app.run(llm=llm)
+    first, second = llm.requests
+    assert (first["repetition_penalty"], first["top_k"]) == (1.1, 5)
+    assert (second["repetition_penalty"], second["top_k"]) == (1.1, 1)
+    assert app.nodes["writer"].options()["extra_body"] == {"repetition_penalty": 1.1, "top_k": 5}
+
+
+def test_node_extra_body_must_be_a_mapping():
+    app = tc.App("bad")
+    with pytest.raises(tc.AppDefinitionError, match="extra_body must be a mapping"):
+
+        @app.agent(extra_body=["repetition_penalty"])
+        async def writer(ctx, inputs):
+            return None

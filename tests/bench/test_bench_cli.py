@@ -163,6 +163,17 @@ def test_preset_choices_match_the_presets(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_help_names_every_system(capsys):
+    from tokencake.bench.systems import SYSTEMS
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    # argparse wraps the help text, also after a hyphen ("tokencake-\n roomy")
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
+    missing = [name for name in SYSTEMS if name not in text]
+    assert not missing, missing
+
+
 def test_stress_dry_run_has_two_points_and_takes_its_overrides(capsys):
     argv = ["bench", "--preset", "stress", "--dry-run", "--apps", "1", "--workers", "2", "--fixed-order"]
     assert main([*argv, "--tool-s", "2", "--systems", "baseline,tokencake-roomy"]) == 0

@@ -280,9 +280,20 @@ def test_extension_summary_next_turn_share_and_readiness():
     assert s["on_time_rate_excl_not_needed"] == pytest.approx((3 + 1) / (10 - 2))
     assert s["prefetch_not_needed"] == 5
     assert s["next_turn_ttft_mean_s"] is None  # no histogram yet
-    hist_before = {**before, "histograms": {"next_turn.ttft_s": {"count": 2, "sum": 3.0}}}
-    hist_after = {**after, "histograms": {"next_turn.ttft_s": {"count": 6, "sum": 5.0}}}
-    assert extension_summary(hist_after, hist_before)["next_turn_ttft_mean_s"] == pytest.approx(0.5)
+    hist_before = {
+        **before,
+        "histograms": {"next_turn.ttft_s": {"count": 2, "sum": 3.0}, "spatial.reserved_frac": {"count": 0}},
+    }
+    hist_after = {
+        **after,
+        "histograms": {
+            "next_turn.ttft_s": {"count": 6, "sum": 5.0},
+            "spatial.reserved_frac": {"count": 4, "sum": 0.6},
+        },
+    }
+    hist = extension_summary(hist_after, hist_before)
+    assert hist["next_turn_ttft_mean_s"] == pytest.approx(0.5)
+    assert hist["reserved_frac_mean"] == pytest.approx(0.15)  # the reserve's mean share per step
     # Counters the connector has not created yet are zero; shares of nothing are None.
     empty = extension_summary(_snapshot())
     assert empty["readiness_eligible"] == 0 and empty["prefetch_not_needed"] == 0

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -228,6 +229,62 @@ def _spatial_mixed_traffic(base_url: str, log: Path, baseline: Server) -> None:
         assert ask(baseline.base_url, i, meta=False) == replies[i], i
 
 
+def _spatial_soak_at_full_kv(base_url: str) -> None:
+    """Issue 12's progress guarantee: 24 concurrent requests of ~5 blocks each against 40 device
+    blocks (the running batch holds every block, the rest wait), half annotated with DAG positions,
+    half plain OpenAI requests. Every request completes, within the spatial score's starvation bound
+    plus the time the whole load takes to serve: no deadlock, nobody overtaken forever."""
+    from tokencake.serving.spatial import SpatialScorer
+
+    model = httpx.get(base_url + "/models", timeout=10).json()["data"][0]["id"]
+    metrics_url = base_url.removesuffix("/v1") + "/metrics"
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample_usage() -> None:
+        while not done.is_set():
+            try:
+                for line in httpx.get(metrics_url, timeout=5).text.splitlines():
+                    if line.startswith("vllm:kv_cache_usage_perc"):
+                        peak[0] = max(peak[0], float(line.rsplit(" ", 1)[1]))
+            except httpx.HTTPError:
+                pass
+            done.wait(0.1)
+
+    def ask(i: int) -> tuple[int, float, str]:
+        # A unique first block per request: no prefix is shared, every request needs its own blocks.
+        body: dict[str, object] = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Soak {i}, say ok. " + "word " * (560 + 13 * i)}],
+            "max_tokens": 16,
+            "temperature": 0.0,
+        }
+        if i % 2 == 0:
+            graph = {"on_critical_path": i % 4 == 0, "slack_s": float(i % 5), "remaining_depth": i % 3}
+            tc_meta = {"session_id": f"soak:{i}", "run_id": f"soak{i % 3}", "node": f"n{i}", "graph": graph}
+            body["kv_transfer_params"] = {tc.events.META_KEY: tc_meta}
+        t0 = time.monotonic()
+        resp = httpx.post(base_url + "/chat/completions", json=body, timeout=bound + 60.0)
+        return resp.status_code, time.monotonic() - t0, resp.text[:200]
+
+    # Nobody waits longer than the score lets newcomers overtake it, plus a minute to serve the
+    # load (all 24 take well under that here); a deadlock or a starved request fails the bound.
+    bound = SpatialScorer().max_overtake_s() + 60.0
+    sampler = threading.Thread(target=sample_usage, daemon=True)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(24) as pool:
+            results = list(pool.map(ask, range(24)))
+    finally:
+        done.set()
+        sampler.join(10)
+    failed = [(i, code, text) for i, (code, _s, text) in enumerate(results) if code != 200]
+    assert not failed, failed
+    assert peak[0] >= 0.9, f"the soak never filled the device KV (peak usage {peak[0]:.2f})"
+    slowest = max(seconds for _code, seconds, _text in results)
+    assert slowest <= bound, (slowest, bound)
+
+
 def test_detach_then_stop(tmp_path: Path, timing: dict[str, float], baseline_server: Server) -> None:
     """``--detach`` (here with ``--spatial``: the spatial scheduler inside vLLM), then ``stop``."""
     psutil = pytest.importorskip("psutil", reason="psutil comes with vllm")
@@ -251,6 +308,13 @@ def test_detach_then_stop(tmp_path: Path, timing: dict[str, float], baseline_ser
         stop_process_group(int(state["pgid"]), int(state["pid"]), grace=10.0)
         raise
     timing["spatial: 8 concurrent requests + 4 replays"] = time.monotonic() - started
+    started = time.monotonic()
+    try:
+        _spatial_soak_at_full_kv(f"http://127.0.0.1:{port}/v1")
+    except BaseException:
+        stop_process_group(int(state["pgid"]), int(state["pid"]), grace=10.0)
+        raise
+    timing["spatial: soak at full KV, 24 mixed requests"] = time.monotonic() - started
     watchdog = psutil.Process(int(state["pid"]))
     tree = [watchdog, *watchdog.children(recursive=True)]
     res = subprocess.run(

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencake.events import GraphMeta, RequestMeta
-from tokencake.serving.spatial import SpatialScorer, SpatialWeights, admission_weights
+from tokencake.serving.spatial import SpatialScorer, SpatialWeights, admission_weights, demote_rank
 
 
 def meta(
@@ -148,3 +148,14 @@ def test_continuums_order_is_first_come_first_served_with_retained_programs_firs
     assert key(slack, 31.0, retained=True) > key(critical, 0.0)
     assert s.max_overtake_s() == pytest.approx(30.0)
     assert admission_weights(None) == admission_weights("unknown") == SpatialWeights()
+
+
+def test_demote_rank_evicts_non_critical_first_then_the_latest_return() -> None:
+    chains = {
+        "crit-late": demote_rank(critical=True, returns_at=90.0),
+        "crit-soon": demote_rank(critical=True, returns_at=5.0),
+        "other-late": demote_rank(critical=False, returns_at=60.0),
+        "other-soon": demote_rank(critical=False, returns_at=1.0),
+    }
+    evicted_first = sorted(chains, key=chains.__getitem__, reverse=True)
+    assert evicted_first == ["other-late", "other-soon", "crit-late", "crit-soon"]

@@ -60,6 +60,9 @@ class Node:
     system: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
+    #: Request fields every ``ctx.llm`` call of the node sends (sampling options such as
+    #: ``repetition_penalty``); a call's own ``extra_body`` keys win.
+    extra_body: Mapping[str, Any] | None = None
     importance: float = 1.0
     agent_type: str | None = None
     predict_llm_s: float | None = None
@@ -77,6 +80,7 @@ class Node:
             "system": self.system,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
+            "extra_body": dict(self.extra_body) if self.extra_body else None,
             "importance": self.importance,
             "agent_type": self.agent_type or self.name,
             "predict_llm_s": self.predict_llm_s,
@@ -129,7 +133,8 @@ class App:
     def agent(self, fn: F | None = None, /, **options: Any) -> F | Callable[[F], F]:
         """Decorator: declare an LLM agent ``async def fn(ctx, inputs)``.
 
-        Options: ``name``, ``system``, ``max_tokens``, ``temperature``, ``after`` (dependencies),
+        Options: ``name``, ``system``, ``max_tokens``, ``temperature``, ``extra_body`` (request
+        fields for every call, e.g. sampling options), ``after`` (dependencies),
         ``tools`` (model-driven tools offered to ``ctx.llm``), ``calls`` (graph-fixed tools, for the
         prediction), ``importance``, ``agent_type``, ``predict_llm_s``, ``description``,
         ``template`` (not a DAG node: ``ctx.fan_out`` runs instances of it).
@@ -180,6 +185,7 @@ class App:
         system: str | None = None,
         max_tokens: int | None = None,
         temperature: float | None = None,
+        extra_body: Mapping[str, Any] | None = None,
         after: Iterable[Ref] = (),
         tools: Iterable[Ref] = (),
         calls: Iterable[Ref] = (),
@@ -200,6 +206,7 @@ class App:
             system=system,
             max_tokens=max_tokens,
             temperature=temperature,
+            extra_body=_extra_body(extra_body),
             importance=importance,
             agent_type=agent_type,
             predict_llm_s=predict_llm_s,
@@ -614,6 +621,15 @@ def _fn_name(fn: Any) -> str:
     while isinstance(fn, functools.partial):
         fn = fn.func
     return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _extra_body(extra_body: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A node's ``extra_body`` option, checked at declaration (a JSON object's fields)."""
+    if extra_body is None:
+        return None
+    if not isinstance(extra_body, Mapping) or not all(isinstance(k, str) for k in extra_body):
+        raise AppDefinitionError("extra_body must be a mapping of request field names to values")
+    return dict(extra_body)
 
 
 def _refs(refs: Iterable[Ref] | Ref) -> list[Ref]:

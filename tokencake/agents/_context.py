@@ -174,7 +174,8 @@ class Context:
     ) -> Awaitable[Any] | LLMStream:
         """Send ``prompt`` (text, or messages to append) in this node's conversation.
 
-        ``system``, ``max_tokens`` and ``temperature`` default to the node's options. With tools
+        ``system``, ``max_tokens``, ``temperature`` and ``extra_body`` default to the node's
+        options (``extra_body``: the node's fields, then the call's). With tools
         (``tools=`` or the node's ``tools``) the model-driven loop runs: the tool calls of one
         turn are validated and executed concurrently (each its own stall) and their results sent
         back in the model's order, for at most ``max_turns`` requests; the last request forbids
@@ -261,7 +262,7 @@ class Context:
                         if call.temperature is not None
                         else self._node.temperature,
                         stop=call.stop,
-                        extra_body=call.extra_body,
+                        extra_body={**(self._node.extra_body or {}), **(call.extra_body or {})} or None,
                         response_format=None if schemas else call.response_format,
                     )
                 ) as items:

@@ -382,6 +382,12 @@ def extension_summary(
             )
             for who in ("critical", "noncritical", "plain")
         },
+        # The critical reserve (spatial scheduler): mean share of device blocks held for
+        # critical-path sessions per engine step, and admissions it made wait.
+        "reserved_frac_mean": _share(
+            d.get("histograms.spatial.reserved_frac.sum"), d.get("histograms.spatial.reserved_frac.count")
+        ),
+        "reserve_denials": c("spatial.reserve_denials"),
         # Stalls longer than the transfer lead, judged at the session's next request: was its KV on
         # device (prefetched back, never evicted, or a prefetch copy in flight) or missed?
         "readiness_eligible": eligible,

@@ -23,7 +23,8 @@ state.
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
 ``spatial``         tokencake with the spatial scheduler (``--scheduler-cls``: waiting requests admitted
-                    by spatial score instead of priority, then arrival; ``tokencake/serving/spatial.py``)
+                    by spatial score instead of priority, then arrival; critical-path sessions' idle KV
+                    evicted last and their held chains a bounded reserve; ``tokencake/serving/spatial.py``)
 ``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
                     (first come first served, a program whose KV is retained first)
 ``replicas-affinity`` two tokencake replicas (``device_blocks`` each, one core each on a CPU machine)
@@ -172,7 +173,7 @@ SYSTEMS: dict[str, SystemSpec] = {
         stock=False,
         flags=dict(_ALL_ON),
         scheduler=SPATIAL_SCHEDULER,
-        description="tokencake + the spatial scheduler (waiting requests by spatial score)",
+        description="tokencake + the spatial scheduler (admission by spatial score, critical-path KV kept)",
     ),
     "continuum-queue": SystemSpec(
         "continuum-queue",

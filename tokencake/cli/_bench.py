@@ -43,8 +43,10 @@ def register(subparsers: Any) -> None:
             "comma-separated: baseline,tokencake,ideal (default), prefetch-off (= offload-only), "
             "demand-off, tokencake-roomy (extension with the ideal's KV: its cost without pressure), "
             "baseline-priority, ideal-priority, and the other KV policies in the same server: "
-            "offload-all, continuum, infercept, stock-connector, and hold-off (tokencake without "
-            "holding prefetched chains)"
+            "offload-all, continuum, infercept, stock-connector, hold-off (tokencake without "
+            "holding prefetched chains), spatial (tokencake + the spatial scheduler), continuum-queue "
+            "(continuum + its queue order), replicas-affinity and replicas-round-robin (2 replicas "
+            "behind vllm-router); see docs/benchmarks.md"
         ),
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")

@@ -77,8 +77,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--spatial",
         action="store_true",
-        help="admit waiting requests by TokenCake's spatial score (DAG position, waiting time, "
-        "preemptions) instead of priority, then arrival (docs/policy.md)",
+        help="the spatial scheduler: admit waiting requests by TokenCake's spatial score (DAG "
+        "position, waiting time, preemptions) instead of priority, then arrival; evict critical-path "
+        "sessions' idle KV last and keep their held chains as a bounded reserve (docs/policy.md §7)",
     )
     p.add_argument(
         "--tool-call-parser",

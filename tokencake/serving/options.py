@@ -46,6 +46,12 @@ class Options:
     #: requests waiting for admission need (whichever is larger).
     prefetch_reserve_blocks: int = 0
     prefetch_reserve_frac: float = 0.05
+    #: With the spatial scheduler on (``SchedulerSide.critical_last``): device blocks held for
+    #: critical-path sessions (their kept or prefetched chains, soonest return first) that a
+    #: non-critical or plain admission may not take, at most this share of the device blocks...
+    critical_reserve_frac: float = 0.25
+    #: ...and only from a request that has waited less than this; after it, the reserve is lent.
+    critical_reserve_wait_s: float = 10.0
     #: A request waits at most this long for its session's prefetch copy before loading on demand.
     prefetch_wait_s: float = 1.0
     #: How often a retryable gate decision (no pressure yet, host full) is asked again: every

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from tokencake.events import RequestMeta
 
-__all__ = ["ADMISSIONS", "SpatialScorer", "SpatialWeights", "admission_weights"]
+__all__ = ["ADMISSIONS", "SpatialScorer", "SpatialWeights", "admission_weights", "demote_rank"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,16 @@ ADMISSIONS: dict[str, SpatialWeights] = {
 def admission_weights(name: str | None) -> SpatialWeights:
     """The weights of admission order ``name`` (unknown or None: the spatial score's)."""
     return ADMISSIONS.get(name or "spatial", ADMISSIONS["spatial"])
+
+
+def demote_rank(*, critical: bool, returns_at: float) -> tuple[int, float]:
+    """Where an idle, host-safe chain goes in the eviction queue: the highest rank is evicted first.
+
+    Non-critical sessions before critical-path ones (losing a critical chain delays the whole app,
+    and an eviction of it by a non-critical admission is a critical inversion), then the session
+    that returns last first (KVFlow's steps-to-execution order, with time instead of steps).
+    """
+    return (0 if critical else 1, returns_at)
 
 
 @dataclass

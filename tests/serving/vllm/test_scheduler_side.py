@@ -51,10 +51,14 @@ def request(
     session: str | None = "run:A",
     next_tool: float | None = None,
     events: bool = True,
+    critical: bool = False,
 ) -> Any:
     """A stand-in request; ``next_tool`` = the predicted seconds of an announced tool call;
-    ``events=False``: its client sends no stall events (``RequestMeta.stall_events``)."""
+    ``events=False``: its client sends no stall events (``RequestMeta.stall_events``);
+    ``critical``: its node is on the app's critical path."""
     meta: dict[str, Any] = {"session_id": session, "run_id": "run", "node": session or "A"}
+    if critical:
+        meta["graph"] = {"on_critical_path": True}
     if next_tool is not None:
         meta["next_stall"] = {"tool": "search", "predicted_s": next_tool}
     if not events:
@@ -142,12 +146,15 @@ def finish_turn(
     session: str | None = "run:A",
     next_tool: float | None = None,
     admit: bool = False,
+    critical: bool = False,
 ) -> list[Any]:
     """A request of ``session`` computed ``len(hashes)`` full blocks and finished (blocks cached).
 
     ``admit``: the connector also sees the request admitted (``update_state_after_alloc``).
     """
-    req = request(req_id, hashes, len(hashes) * BS + 2, session=session, next_tool=next_tool)
+    req = request(
+        req_id, hashes, len(hashes) * BS + 2, session=session, next_tool=next_tool, critical=critical
+    )
     side.on_new_request(req)
     if admit:
         side.update_state_after_alloc(req, [], 0)
@@ -581,6 +588,28 @@ def test_demotion_order_is_by_return_whatever_order_the_copies_finish(pool: Bloc
     assert_no_pins(pool)
 
 
+@pytest.mark.parametrize("critical_last", [False, True])
+def test_spatial_scheduler_demotes_critical_path_sessions_last(
+    pool: BlockPool, clock: Clock, critical_last: bool
+) -> None:
+    side = make_side(pool, clock, prefetch=False, host_blocks=12)
+    side.critical_last = critical_last  # what SpatialScheduler sets when it takes over admission
+    chains = {name: chain(name, 2) for name in ("crit", "late", "early")}
+    returns = {"crit": 40.0, "late": 30.0, "early": 10.0}
+    for name, hashes in chains.items():
+        finish_turn(side, pool, hashes, req_id=f"r{name}", session=f"run:{name}", critical=name == "crit")
+    for name in ("early", "late", "crit"):  # the critical one is confirmed last and returns last
+        side.handle_event(begin(f"s{name}", f"run:{name}", predicted=returns[name]))
+        answer(side, side.build_meta())
+    rank = bp.eviction_rank(pool)
+    first = {name: min(rank[bp.cached_block(pool, h).block_id] for h in hs) for name, hs in chains.items()}
+    if critical_last:  # non-critical first (latest return first among them), the critical path last
+        assert first["late"] < first["early"] < first["crit"]
+    else:  # by predicted return only
+        assert first["crit"] < first["late"] < first["early"]
+    assert_no_pins(pool)
+
+
 def test_early_save_keeps_the_tail_that_eviction_would_take(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch=False)
     hashes = chain("t", 4)
@@ -827,9 +856,10 @@ def _held_after_prefetch(
     stall: str,
     predicted: float,
     n: int = 2,
+    critical: bool = False,
 ) -> list[bytes]:
     hashes = chain(name, n)
-    finish_turn(side, pool, hashes, f"r-{name}", session=session)
+    finish_turn(side, pool, hashes, f"r-{name}", session=session, critical=critical)
     side.handle_event(begin(stall, session, predicted))
     answer(side, side.build_meta())
     evict_all(pool)
@@ -878,6 +908,78 @@ def test_holds_leave_a_free_block_per_running_request(pool: BlockPool, clock: Cl
     assert "run:A" not in side._kept and side.stats.counter("hold.released.reserve") == 1
     bp.release(pool, running)
     assert_no_pins(pool)
+
+
+def _critical_and_other_held(side: SchedulerSide, pool: BlockPool, clock: Clock) -> None:
+    """A critical-path session's prefetched chain (returns last) and a non-critical one's, held."""
+    side.critical_last = True  # the spatial scheduler is on
+    _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)
+    _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 5.0, critical=True)
+    assert side._kept["run:A"].critical and not side._kept["run:B"].critical
+    assert len(pinned(pool)) == 4 and bp.num_free(pool) == 11
+    assert side.reserved_blocks() == 2
+
+
+def test_the_critical_reserve_is_not_lent_to_a_fresh_non_critical_admission(
+    pool: BlockPool, clock: Clock
+) -> None:
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _critical_and_other_held(side, pool, clock)
+    big = request("big", chain("w", 1), 14 * BS, session=None)  # 14 blocks + 1 spare: all 4 held
+    side.on_new_request(big)
+    side.get_num_new_matched_tokens(big, 0)
+    # B's hold alone would not make room and A's is reserved: nothing goes, the request waits.
+    assert set(side._kept) == {"run:A", "run:B"}
+    assert side.stats.counter("spatial.reserve_denials") == 1
+    clock.t += side.opts.critical_reserve_wait_s  # it has waited long enough: the reserve is lent
+    side.get_num_new_matched_tokens(big, 0)
+    assert not side._kept and bp.num_free(pool) == 15
+    assert side.stats.counter("hold.released.room") == 2
+
+
+def test_the_critical_reserve_yields_non_critical_holds_first_and_never_to_critical_requests(
+    pool: BlockPool, clock: Clock
+) -> None:
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _critical_and_other_held(side, pool, clock)
+    mid = request("mid", chain("m", 1), 12 * BS, session=None)  # needs 2 of the 4 held blocks
+    side.on_new_request(mid)
+    side.get_num_new_matched_tokens(mid, 0)
+    # B returns sooner but is not on the critical path: its hold goes, A's stays.
+    assert set(side._kept) == {"run:A"}
+    crit = request("crit", chain("c", 1), 14 * BS, session="run:C", critical=True)
+    side.on_new_request(crit)
+    side.get_num_new_matched_tokens(crit, 0)  # a critical request may take the reserve
+    assert not side._kept
+
+
+def test_the_critical_reserve_is_capped_and_off_without_the_spatial_scheduler(
+    pool: BlockPool, clock: Clock
+) -> None:
+    for critical_last, frac in ((True, 0.1), (False, 0.25)):  # 1 block of 16 < A's 2; or off
+        side = make_side(pool, clock, prefetch_quantile=None, critical_reserve_frac=frac)
+        _critical_and_other_held(side, pool, clock)
+        side.critical_last = critical_last
+        big = request(f"big{frac}", chain(f"w{frac}", 1), 14 * BS, session=None)
+        side.on_new_request(big)
+        side.get_num_new_matched_tokens(big, 0)
+        assert not side._kept, (critical_last, frac)
+        assert side.stats.counter("spatial.reserve_denials") == 0
+        evict_all(pool)
+        assert_no_pins(pool)
+        pool = BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=BS)
+
+
+def test_a_stuck_engine_releases_the_critical_reserve_too(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _critical_and_other_held(side, pool, clock)
+    side.on_new_request(request("w", chain("w", 1), 14 * BS, session=None))  # waits
+    for left in ({"run:A"}, set()):  # an idle step with requests waiting: non-critical goes first
+        side.observe_step(0, num_running=0)
+        side.build_meta()
+        assert set(side._kept) == left
+    assert side.stats.counter("hold.released.pressure") == 2
+    assert side.stats.histogram("spatial.reserved_frac")["count"] >= 2
 
 
 # ------------------------------------------------------------------ KV policies (issue 10)

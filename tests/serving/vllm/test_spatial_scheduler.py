@@ -123,6 +123,7 @@ def test_the_kv_policy_chooses_the_admission_order() -> None:
         sched = SimpleNamespace(connector=SimpleNamespace(sched=side), waiting=FCFSRequestQueue())
         spatial._swap_waiting_queue(sched)
         assert isinstance(sched.waiting, ScoredRequestQueue)
+        assert side.critical_last  # critical-path sessions' idle chains are now evicted last
         return sched.waiting
 
     now = 1000.0

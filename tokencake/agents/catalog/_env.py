@@ -35,6 +35,11 @@ _CURRENT: contextvars.ContextVar[RunState | None] = contextvars.ContextVar(
 )
 #: Per-run states kept at most (oldest dropped; their sandbox directories stay on disk).
 MAX_RUNS = 64
+#: Sampling of every catalog agent: greedy (reproducible, and comparable between servers), with a
+#: mild repetition penalty — without it the bundled 135M model repeats the same paragraph until its
+#: token budget runs out. vLLM takes ``repetition_penalty`` as an extra request field; servers that
+#: do not know it ignore it or reject it, so a user's own server can drop it (``AppEnv.sampling``).
+SAMPLING: dict[str, Any] = {"temperature": 0.0, "extra_body": {"repetition_penalty": 1.1}}
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -84,6 +89,11 @@ class AppEnv:
         self._corpus = corpus
         self._runs: OrderedDict[str, RunState] = OrderedDict()
         self._lock = threading.Lock()
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The agent options every catalog agent is declared with (``**env.sampling``)."""
+        return {"temperature": SAMPLING["temperature"], "extra_body": dict(SAMPLING["extra_body"])}
 
     @property
     def corpus(self) -> Corpus:

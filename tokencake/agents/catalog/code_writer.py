@@ -375,7 +375,7 @@ def build(
             name=name,
             system=_SYSTEMS[role],
             max_tokens=env.tokens(max_tokens),
-            temperature=0.0,
+            **env.sampling,
             after=after,
             calls=list(calls),
             agent_type=role,

@@ -94,7 +94,7 @@ def build(
             name=name,
             system=system,
             max_tokens=env.tokens(max_tokens),
-            temperature=0.0,
+            **env.sampling,
             after=after,
             calls=list(calls),
             agent_type=name.rstrip("0123456789").rstrip("_"),

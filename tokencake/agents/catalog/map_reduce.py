@@ -103,7 +103,7 @@ def build(
             name=f"mapper_{i}",
             system=MAPPER_SYSTEM,
             max_tokens=env.tokens(96),
-            temperature=0.0,
+            **env.sampling,
             after=["split"],
             calls=["fetch_document"],
             agent_type="mapper",
@@ -131,7 +131,7 @@ def build(
         name="reduce",
         system="You merge partial summaries into one coherent summary and keep their [doc-id] citations.",
         max_tokens=env.tokens(300),
-        temperature=0.0,
+        **env.sampling,
         after=mappers,
         agent_type="reducer",
     )

@@ -105,7 +105,7 @@ def build(
         name="rag",
         system="You answer questions from retrieved passages and cite them as [doc-id].",
         max_tokens=env.tokens(256),
-        temperature=0.0,
+        **env.sampling,
         calls=["embed_text", "retrieve"],
         agent_type="rag",
     )

@@ -150,6 +150,8 @@ def _options(extra: dict[str, Any]) -> Options:
         "prefetch_margin_s": float,
         "end_grace_s": float,
         "prefetch_reserve_frac": float,
+        "critical_reserve_frac": float,
+        "critical_reserve_wait_s": float,
         "job_timeout_s": float,
         "reevaluate_max_s": float,
         "min_waiting": int,

@@ -148,6 +148,8 @@ def _swap_waiting_queue(scheduler: Any) -> None:
     )
     queue.prepend_requests(list(scheduler.waiting))
     scheduler.waiting = queue
+    if side is not None:
+        side.critical_last = True  # eviction order: critical-path sessions' idle chains go last
     log.info("TokenCake spatial scheduler on: waiting requests by %s order", admission or "spatial")
 
 

@@ -58,6 +58,7 @@ from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.sessions import ByteLRU, SessionTracker, StallTransition, hashes_nbytes
+from tokencake.serving.spatial import demote_rank
 from tokencake.serving.stats import Stats
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.metadata import CopyJob, JobKind, TokenCakeMetadata, TokenCakeWorkerMeta
@@ -74,6 +75,8 @@ log = logging.getLogger("vllm.tokencake")
 ABANDONED_POLL_S = 1.0
 #: Critical-path sessions whose idle chains are watched for critical inversions (most recent).
 CRITICAL_WATCH = 64
+#: Sessions whose last request was on the critical path (their stalls are demoted last).
+CRITICAL_SESSIONS = 4096
 #: Readiness of a session's blocks when its next request arrives (``readiness.*`` counters).
 READINESS = ("prefetched", "not_needed", "loading", "missed")
 
@@ -152,6 +155,8 @@ class _Stall:
     resumed: bool = False
     #: The policy's plan says the device copies go first in the eviction queue once on host.
     evict_first: bool = True
+    #: The session's last request was on its app's critical path: among demoted chains, evicted last.
+    critical: bool = False
 
     @property
     def returns_at(self) -> float:
@@ -164,7 +169,8 @@ class _Keep:
     """Device blocks held for an idle session (one reference each, released once).
 
     ``kind`` is ``keep`` (a policy's plan) or ``hold`` (a prefetched chain waiting for its
-    request). When room is needed the hold with the latest ``rank`` (predicted return) goes first.
+    request). When room is needed the hold with the latest ``rank`` (predicted return) goes first;
+    with the spatial scheduler on, non-critical sessions' holds before critical-path ones'.
     """
 
     session_id: str
@@ -173,6 +179,8 @@ class _Keep:
     since: float
     rank: float = 0.0
     kind: str = "keep"
+    #: The session's last request was on its app's critical path.
+    critical: bool = False
 
 
 @dataclass
@@ -218,6 +226,11 @@ def request_meta(request: Request) -> RequestMeta | None:
 
 class SchedulerSide:
     """The temporal scheduler's engine-thread state; see the module docstring."""
+
+    #: Among demoted chains, critical-path sessions' are evicted last. The spatial scheduler
+    #: (``scheduler.py``) turns this on when it takes over admission; off, the order is by
+    #: predicted return only, as measured for the default server.
+    critical_last: bool = False
 
     def __init__(
         self,
@@ -309,6 +322,8 @@ class SchedulerSide:
             max_items=CRITICAL_WATCH, max_bytes=16 << 20
         )
         self._critical_before: dict[str, int] | None = None
+        #: Sessions whose latest finished request was on the critical path (``_Stall.critical``).
+        self._critical_sessions: ByteLRU[str, bool] = ByteLRU(max_items=CRITICAL_SESSIONS, max_bytes=1 << 20)
         #: Sessions whose client sends no stall events: the stall derived from their last request.
         self._derived: ByteLRU[str, tuple[StallBegin, float]] = ByteLRU(max_items=4096, max_bytes=1 << 20)
         #: Block hash -> offload job copying it (the host copy exists once that job commits).
@@ -445,6 +460,10 @@ class SchedulerSide:
         hashes = [bytes(h) for h in list(request.block_hashes)[:num_full]]
         if info is not None:
             self.sessions.record_request(info.session_id, hashes, request.num_computed_tokens, req_id)
+            if info.critical:
+                self._critical_sessions.put(info.session_id, True, 1)
+            else:
+                self._critical_sessions.pop(info.session_id)
             if info.critical and hashes and info.next_stall is not None:
                 # Only a session that announced a tool call is known to come back for its KV.
                 self._critical_idle.put(info.session_id, tuple(hashes), hashes_nbytes(hashes))
@@ -691,7 +710,13 @@ class SchedulerSide:
             held.until = max(held.until, until)
             return
         self._kept[session_id] = _Keep(
-            session_id, blocks, until, now, rank=until if rank is None else rank, kind=kind
+            session_id,
+            blocks,
+            until,
+            now,
+            rank=until if rank is None else rank,
+            kind=kind,
+            critical=bool(self._critical_sessions.get(session_id)),
         )
         self.stats.inc(f"{kind}.sessions")
         self.stats.inc(f"{kind}.blocks", len(blocks))
@@ -705,20 +730,58 @@ class SchedulerSide:
         self.stats.inc(f"{held.kind}.released.{why}")
         self.stats.observe(f"{held.kind}.held_s", max(self.clock() - held.since, 0.0))
 
-    def _release_kept_until(self, enough: Callable[[], bool], why: str, *, spare: str = "") -> int:
-        """Release holds, the latest predicted return first, until ``enough()``; returns how many.
+    def _release_kept_until(
+        self, enough: Callable[[], bool], why: str, *, spare: str = "", protect: frozenset[str] = frozenset()
+    ) -> int:
+        """Release holds until ``enough()``, in eviction order (``_hold_rank``); returns how many.
 
-        ``spare``: a session whose hold stays (the request asking for room is its own).
+        ``spare``: a session whose hold stays (the request asking for room is its own);
+        ``protect``: sessions whose holds stay (the critical reserve, ``_protected``).
         """
         released = 0
-        for held in sorted(self._kept.values(), key=lambda k: k.rank, reverse=True):
+        for held in sorted(self._kept.values(), key=self._hold_rank, reverse=True):
             if enough():
                 break
-            if held.session_id == spare:
+            if held.session_id == spare or held.session_id in protect:
                 continue
             self._unkeep(held.session_id, why)
             released += 1
         return released
+
+    def _hold_rank(self, held: _Keep) -> tuple[int, float]:
+        """Which hold yields first when room is needed: the highest rank (as ``_evict_rank``)."""
+        return demote_rank(critical=held.critical and self.critical_last, returns_at=held.rank)
+
+    def _protected(self, info: _ReqInfo | None, waited_s: float) -> frozenset[str]:
+        """Critical-path sessions whose held blocks this admission may not take (the reserve).
+
+        Only with the spatial scheduler on, only against a non-critical or plain request that has
+        waited less than ``critical_reserve_wait_s`` (past it the reserve is lent: nothing starves),
+        and at most ``critical_reserve_frac`` of the device: the holds of the critical sessions
+        that return soonest, while their blocks fit in that share. Nothing is set aside when no
+        critical chain is held (work-conserving), and running requests are never denied blocks
+        (``_tick_keeps`` releases holds for them whatever is protected).
+        """
+        if not self.critical_last or self.pool is None or (info is not None and info.critical):
+            return frozenset()
+        if waited_s >= self.opts.critical_reserve_wait_s:
+            return frozenset()
+        cap = int(self.opts.critical_reserve_frac * self.pool.num_gpu_blocks)
+        out: list[str] = []
+        used = 0
+        for held in sorted((k for k in self._kept.values() if k.critical), key=lambda k: k.rank):
+            n = sum(b.ref_cnt == 1 for b in held.blocks)  # blocks only this hold keeps on device
+            if used + n > cap:
+                break
+            used += n
+            out.append(held.session_id)
+        return frozenset(out)
+
+    def reserved_blocks(self) -> int:
+        """Device blocks held for critical-path sessions now (the reserve in use)."""
+        if not self.critical_last:
+            return 0
+        return sum(len(k.blocks) for k in self._kept.values() if k.critical)
 
     def _tick_keeps(self, now: float) -> None:
         """Expired TTLs; room for the running requests' next blocks; and when requests wait while
@@ -734,8 +797,8 @@ class SchedulerSide:
             pool = self.pool
             self._release_kept_until(lambda: bp.num_free(pool) >= floor, "reserve")
         stuck = self._last_step is not None and self._last_step[1] == 0 and bool(self._waiting)
-        if stuck and self._kept:
-            latest = max(self._kept.values(), key=lambda k: k.rank)
+        if stuck and self._kept:  # the critical reserve included: the engine must never idle
+            latest = max(self._kept.values(), key=self._hold_rank)
             self._unkeep(latest.session_id, "pressure")
 
     def _reserve_blocks(self) -> int:
@@ -765,12 +828,24 @@ class SchedulerSide:
         need = -(-int(request.num_tokens) // self.block_size) - len(computed) + evictable + 1
         if bp.num_free(pool) >= need:
             return
+        arrived = self._arrival.get(request.request_id)
+        waited = self.clock() - arrived if arrived is not None else math.inf  # re-admission: no reserve
+        protect = self._protected(info, waited)
         releasable = sum(
-            sum(b.ref_cnt == 1 for b in k.blocks) for k in self._kept.values() if k.session_id != own
+            sum(b.ref_cnt == 1 for b in k.blocks)
+            for k in self._kept.values()
+            if k.session_id != own and k.session_id not in protect
         )
         if bp.num_free(pool) + releasable < need:
+            if protect and bp.num_free(pool) + releasable + self._protected_blocks(protect) >= need:
+                self.stats.inc("spatial.reserve_denials")  # it would fit if the reserve were lent
             return
-        self._release_kept_until(lambda: bp.num_free(pool) >= need, "room", spare=own)
+        self._release_kept_until(lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect)
+
+    def _protected_blocks(self, protect: frozenset[str]) -> int:
+        return sum(
+            sum(b.ref_cnt == 1 for b in k.blocks) for k in self._kept.values() if k.session_id in protect
+        )
 
     # ---- demand load
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
@@ -1065,6 +1140,10 @@ class SchedulerSide:
         self._was_waiting = waiting
         if self._kept:
             self._tick_keeps(now)
+        if self.critical_last and self.pool is not None:
+            reserved = self.reserved_blocks()  # the reserve in use, every step: its ratio over time
+            self.stats.set("spatial.reserved_blocks", reserved)
+            self.stats.observe("spatial.reserved_frac", reserved / max(self.pool.num_gpu_blocks, 1))
         self.profile.maybe_save(self._bandwidths())
         for stall in list(self._stalls.values()):
             try:
@@ -1125,6 +1204,7 @@ class SchedulerSide:
                 fc.seconds,
                 tuple(hashes),
                 known=tr.blocks is not None,
+                critical=bool(self._critical_sessions.get(ev.session_id)),
             )
             stall.lead_s = (
                 self.transfer.estimate("h2d", len(hashes) * self.block_bytes) + self.opts.prefetch_margin_s
@@ -1358,9 +1438,10 @@ class SchedulerSide:
         vLLM's free queue is LRU, and a session that just went idle is its most recently used
         entry: stock vLLM evicts the *active* sessions' prefixes first. Once a stalled session's
         chain is safe on host its device copy is the cheapest thing to lose (a host → device copy
-        brings it back), so it goes to the front, the session that returns last ahead of the others
-        (KVFlow's steps-to-execution order, with time instead of steps). Only blocks with a ready host
-        copy move.
+        brings it back), so it goes to the front: non-critical sessions ahead of critical-path ones
+        (a critical session's recompute delays its whole app), and within each, the session that
+        returns last ahead of the others (KVFlow's steps-to-execution order, with time instead of
+        steps). Only blocks with a ready host copy move.
         """
         if not self.demote_enabled or self.pool is None or stall.stall_id not in self._stalls:
             return
@@ -1368,17 +1449,22 @@ class SchedulerSide:
             return
         self._demoted.add(stall.stall_id)
         demoted = [s for s in (self._stalls.get(sid) for sid in self._demoted) if s is not None]
-        if all(s.returns_at <= stall.returns_at for s in demoted):
-            # It returns last (the usual case: it began last): only its chain moves to the front,
-            # in front of the others' — the order a full re-queue gives, in O(chain) instead of
-            # O(demoted × chain) (a thousand stalled sessions with long chains on a GPU).
+        rank = self._evict_rank
+        if all(rank(s) <= rank(stall) for s in demoted):
+            # It is evicted first (the usual case: it began last): only its chain moves to the
+            # front, in front of the others' — the order a full re-queue gives, in O(chain) instead
+            # of O(demoted × chain) (a thousand stalled sessions with long chains on a GPU).
             order = [stall]
         else:
-            order = sorted(demoted, key=lambda s: s.returns_at)
+            order = sorted(demoted, key=rank)
         moved = 0
         for s in order:  # each batch goes in front of the previous one: the latest return ends first
             moved += bp.reorder(self.pool, self._chain_blocks(s, on_host_only=True), first=True)
         self.stats.inc("evict_order.demoted_blocks", moved)
+
+    def _evict_rank(self, stall: _Stall) -> tuple[int, float]:
+        """A demoted chain's place in the eviction queue: the highest rank is evicted first."""
+        return demote_rank(critical=stall.critical and self.critical_last, returns_at=stall.returns_at)
 
     def _promote(self, stall: _Stall) -> None:
         """The session is about to run again: its idle device blocks go back to the safe end."""
