@@ -39,7 +39,7 @@ MAX_RUNS = 64
 #: mild repetition penalty — without it the bundled 135M model repeats the same paragraph until its
 #: token budget runs out. vLLM takes ``repetition_penalty`` as an extra request field; servers that
 #: do not know it ignore it or reject it, so a user's own server can drop it (``AppEnv.sampling``).
-SAMPLING: dict[str, Any] = {"temperature": 0.0, "extra_body": {"repetition_penalty": 1.1}}
+SAMPLING: dict[str, Any] = {"temperature": 0.0, "extra_body": {"repetition_penalty": 1.15}}
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
