@@ -72,3 +72,18 @@ def test_token_scale_shrinks_every_budget() -> None:
     assert short.critical_path_s < full.critical_path_s
     with pytest.raises(ValueError, match="token_scale"):
         catalog.get_app("rag", token_scale=0)
+
+
+def test_agents_are_greedy_and_prose_agents_have_a_repetition_penalty() -> None:
+    from tokencake.agents.catalog._env import SAMPLING
+
+    penalty = SAMPLING["extra_body"]["repetition_penalty"]
+    assert penalty > 1.0
+    for name in catalog.app_names():
+        for node in catalog.get_app(name).nodes.values():
+            if node.kind != "agent":
+                continue
+            assert node.temperature == 0.0, (name, node.name)
+            calls_tools = bool(node.tools)  # its replies are tool calls: no penalty on their JSON
+            expected = None if calls_tools else {"repetition_penalty": penalty}
+            assert node.extra_body == expected, (name, node.name)

@@ -92,8 +92,14 @@ class AppEnv:
 
     @property
     def sampling(self) -> dict[str, Any]:
-        """The agent options every catalog agent is declared with (``**env.sampling``)."""
+        """The agent options catalog agents that write prose are declared with (``**env.sampling``)."""
         return {"temperature": SAMPLING["temperature"], "extra_body": dict(SAMPLING["extra_body"])}
+
+    @property
+    def tool_sampling(self) -> dict[str, Any]:
+        """Agents whose replies are mostly tool calls: greedy only (a repetition penalty would
+        penalise the JSON keys and quotes every call repeats)."""
+        return {"temperature": SAMPLING["temperature"]}
 
     @property
     def corpus(self) -> Corpus:

@@ -191,7 +191,7 @@ def build(
         system="You are a software engineer. Use the tools to inspect the project, run the tests, fix the "
         "code, and run the tests again. Finish with a one-sentence summary.",
         max_tokens=env.tokens(256),
-        **env.sampling,
+        **env.tool_sampling,
         after=["setup"],
         tools=TOOLS,
         agent_type="swe_agent",
