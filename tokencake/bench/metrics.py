@@ -258,6 +258,9 @@ class KVSampler:
                 "kv_usage": metric_value(m, "vllm:kv_cache_usage_perc"),
                 "running": metric_value(m, "vllm:num_requests_running"),
                 "waiting": metric_value(m, "vllm:num_requests_waiting"),
+                # The spatial scheduler's critical reserve (counters; 0 without it).
+                "reserved_block_steps": metric_value(m, "vllm:tokencake_spatial_reserved_block_steps_total"),
+                "spatial_steps": metric_value(m, "vllm:tokencake_spatial_steps_total"),
             }
         )
 
@@ -271,6 +274,7 @@ class KVSampler:
 
     def summary(self, t0: float) -> dict[str, Any]:
         usage = [s["kv_usage"] for s in self.samples]
+        reserved = reserve_series(self.samples)
         return {
             "interval_s": self.interval_s,
             "errors": self.errors,
@@ -283,10 +287,28 @@ class KVSampler:
                     "kv_usage": s["kv_usage"],
                     "running": s["running"],
                     "waiting": s["waiting"],
+                    **({} if r is None else {"reserved_blocks": r}),
                 }
-                for s in self.samples
+                for s, r in zip(self.samples, reserved, strict=True)
             ],
         }
+
+
+def reserve_series(samples: list[dict[str, float]]) -> list[float | None]:
+    """Mean device blocks in the critical reserve between each sample and the one before it.
+
+    From the spatial scheduler's counters (blocks held for critical-path sessions summed per engine
+    step, and the steps): None where no step was counted in between (idle engine, no spatial
+    scheduler, or the first sample).
+    """
+    out: list[float | None] = [None] * len(samples)
+    for i in range(1, len(samples)):
+        prev, cur = samples[i - 1], samples[i]
+        steps = cur.get("spatial_steps", 0.0) - prev.get("spatial_steps", 0.0)
+        if steps > 0:
+            held = cur.get("reserved_block_steps", 0.0) - prev.get("reserved_block_steps", 0.0)
+            out[i] = round(held / steps, 3)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

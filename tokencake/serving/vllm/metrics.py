@@ -95,6 +95,16 @@ METRICS: tuple[MetricSpec, ...] = (
         ("stall_begin", "stall_end"),
     ),
     MetricSpec("gate_decisions", "Offload-gate decisions (first one per stall), by reason.", "reason"),
+    MetricSpec(
+        "spatial_reserved_block_steps",
+        "Spatial scheduler: device blocks held for critical-path sessions, summed over engine steps "
+        "(rate / rate(spatial_steps) / device blocks = the reserve ratio over time).",
+    ),
+    MetricSpec("spatial_steps", "Spatial scheduler: engine steps counted for the reserve ratio."),
+    MetricSpec(
+        "spatial_critical_inversions",
+        "Spatial: admissions of a non-critical request that evicted a critical-path session's idle KV.",
+    ),
     MetricSpec("errors", "Exceptions caught (and survived) in TokenCake hooks, by hook.", "hook"),
 )
 SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
@@ -109,6 +119,9 @@ _DIRECT: dict[str, str] = {
     "load.bytes": "uploaded_bytes/demand_load",
     "demand_load.requests": "demand_loads",
     "tokens.from_host": "prompt_tokens_from_host",
+    "spatial.reserved_block_steps": "spatial_reserved_block_steps",
+    "spatial.steps": "spatial_steps",
+    "spatial.critical_inversions": "spatial_critical_inversions",
 }
 #: ``Stats`` counter prefix -> labelled metric (the rest of the counter name is the label value).
 _PREFIXED: dict[str, str] = {

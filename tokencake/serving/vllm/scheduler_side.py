@@ -1144,6 +1144,8 @@ class SchedulerSide:
             reserved = self.reserved_blocks()  # the reserve in use, every step: its ratio over time
             self.stats.set("spatial.reserved_blocks", reserved)
             self.stats.observe("spatial.reserved_frac", reserved / max(self.pool.num_gpu_blocks, 1))
+            self.stats.inc("spatial.reserved_block_steps", reserved)  # Prometheus: ratio over time
+            self.stats.inc("spatial.steps")
         self.profile.maybe_save(self._bandwidths())
         for stall in list(self._stalls.values()):
             try:
