@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import random
 import sys
 import time
@@ -180,10 +181,18 @@ def run_workload(client: Client, w: Workload, label: str) -> list[Session]:
     return sessions
 
 
-def replay(reference: Client, sessions: list[Session], max_tokens: int) -> tuple[int, int, list[str]]:
-    """Each session's turns alone, in order, on the reference: (compared, mismatches, examples)."""
+def replay(
+    reference: Client, sessions: list[Session], max_tokens: int
+) -> tuple[int, int, list[str], list[str]]:
+    """Each session's turns alone, in order, on the reference.
+
+    Returns (compared, mismatches, examples, mismatched turns as ``"s<i>/t<turn>"``): the same
+    workload runs on both systems, so a turn that mismatches on both is the batch-vs-alone float
+    order of that request, not something one system did.
+    """
     compared = mismatches = 0
     examples: list[str] = []
+    where: list[str] = []
     for s in sessions:
         for t, turn in enumerate(s.turns):
             if turn.text is None:
@@ -192,9 +201,10 @@ def replay(reference: Client, sessions: list[Session], max_tokens: int) -> tuple
             compared += 1
             if ref != turn.text:
                 mismatches += 1
-                if len(examples) < 5:
+                where.append(f"{s.session_id.rsplit(':', 1)[-1]}/t{t}")
+                if len(examples) < 10:
                     examples.append(f"{s.session_id} turn {t}: got {turn.text!r}, reference {ref!r}")
-    return compared, mismatches, examples
+    return compared, mismatches, examples, where
 
 
 @contextlib.contextmanager
@@ -282,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows = {}
         for label, sessions in (("tokencake", tc_sessions), ("control", ctl_sessions)):
-            compared, mismatches, examples = replay(reference, sessions, w.max_tokens)
+            compared, mismatches, examples, where = replay(reference, sessions, w.max_tokens)
             errors = [t.error for s in sessions for t in s.turns if t.error]
             rows[label] = {
                 "requests": sum(len(s.turns) for s in sessions),
@@ -291,8 +301,17 @@ def main(argv: list[str] | None = None) -> int:
                 "errors": len(errors),
                 "error_examples": errors[:3],
                 "mismatch_examples": examples,
+                "mismatched_turns": where,
             }
+    both = set(rows["tokencake"]["mismatched_turns"]) & set(rows["control"]["mismatched_turns"])
+    for label in rows:
+        rows[label]["only_here"] = sorted(set(rows[label]["mismatched_turns"]) - both)
     result["results"] = rows
+    # Paired (McNemar, exact): the same requests ran on both, so only the turns that mismatched on
+    # one system say anything about a difference. p = P(TokenCake-only >= observed | equal rates).
+    b, c = len(rows["tokencake"]["only_here"]), len(rows["control"]["only_here"])
+    tail = sum(math.comb(b + c, k) for k in range(b, b + c + 1))
+    result["mcnemar_one_sided_p"] = round(tail / 2 ** (b + c), 4)
     result["seconds"] = round(time.monotonic() - t0, 1)
     ok = (
         rows["tokencake"]["mismatches"] <= rows["control"]["mismatches"]
@@ -306,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<10} {counts[0]:>9} {counts[1]:>9} {counts[2]:>11} {counts[3]:>7}")
         for line in row["mismatch_examples"] + row["error_examples"]:
             print(f"  {line}")
+    print(
+        f"mismatched on both systems (the request's batch-vs-alone numerics): {len(both)}; "
+        f"only on TokenCake: {rows['tokencake']['only_here']}; only on stock: {rows['control']['only_here']}"
+        f" (paired exact test, one-sided p = {result['mcnemar_one_sided_p']})"
+    )
     counters = result["tokencake_stats"]
     print("tokencake copies:", {k: v for k, v in sorted(counters.items()) if _interesting(k)})
     print("OK" if ok else "FAIL: TokenCake mismatched more often than stock vLLM (or a request failed)")
