@@ -230,9 +230,9 @@ def _spatial_mixed_traffic(base_url: str, log: Path, baseline: Server) -> None:
 
 
 def _spatial_soak_at_full_kv(base_url: str) -> None:
-    """Issue 12's progress guarantee: 24 concurrent requests of ~5 blocks each against 40 device
-    blocks (the running batch holds every block, the rest wait), half annotated with DAG positions,
-    half plain OpenAI requests. Every request completes, within the spatial score's starvation bound
+    """Issue 12's progress guarantee: 24 concurrent requests of ~5–6 blocks each (96 output
+    tokens) against 40 device blocks (the running batch holds every block, the rest wait), half
+    annotated with DAG positions, half plain OpenAI requests. Every request completes, within the spatial score's starvation bound
     plus the time the whole load takes to serve: no deadlock, nobody overtaken forever."""
     from tokencake.serving.spatial import SpatialScorer
 
@@ -256,7 +256,10 @@ def _spatial_soak_at_full_kv(base_url: str) -> None:
         body: dict[str, object] = {
             "model": model,
             "messages": [{"role": "user", "content": f"Soak {i}, say ok. " + "word " * (560 + 13 * i)}],
-            "max_tokens": 16,
+            # Long enough answers that admitted requests pile up and hold their blocks (on 2 CPU cores
+            # prefill is the bottleneck: short answers finish before the next prompt is in).
+            "max_tokens": 96,
+            "ignore_eos": True,
             "temperature": 0.0,
         }
         if i % 2 == 0:
