@@ -232,8 +232,8 @@ def _spatial_mixed_traffic(base_url: str, log: Path, baseline: Server) -> None:
 def _spatial_soak_at_full_kv(base_url: str) -> None:
     """Issue 12's progress guarantee: 24 concurrent requests of ~5–6 blocks each (96 output
     tokens) against 40 device blocks (the running batch holds every block, the rest wait), half
-    annotated with DAG positions, half plain OpenAI requests. Every request completes, within the spatial score's starvation bound
-    plus the time the whole load takes to serve: no deadlock, nobody overtaken forever."""
+    annotated with DAG positions, half plain OpenAI requests. Every request completes, within the
+    spatial score's starvation bound plus a minute: no deadlock, nobody overtaken forever."""
     from tokencake.serving.spatial import SpatialScorer
 
     model = httpx.get(base_url + "/models", timeout=10).json()["data"][0]["id"]
