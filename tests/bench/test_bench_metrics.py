@@ -129,8 +129,8 @@ def test_kv_sampler_turns_the_reserve_counters_into_a_series():
     def text(block_steps: float, steps: float) -> str:
         return (
             "vllm:kv_cache_usage_perc 0.5\n"
-            f"vllm:tokencake_spatial_reserved_block_steps_total{{engine=\"0\"}} {block_steps}\n"
-            f"vllm:tokencake_spatial_steps_total{{engine=\"0\"}} {steps}\n"
+            f'vllm:tokencake_spatial_reserved_block_steps_total{{engine="0"}} {block_steps}\n'
+            f'vllm:tokencake_spatial_steps_total{{engine="0"}} {steps}\n'
         )
 
     texts = iter([text(0, 0), text(30, 10), text(30, 10), text(50, 20)])
