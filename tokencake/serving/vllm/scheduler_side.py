@@ -182,6 +182,11 @@ class _Keep:
     #: The session's last request was on its app's critical path.
     critical: bool = False
 
+    @property
+    def releasable(self) -> int:
+        """Blocks only this hold keeps on device (releasing it frees exactly these)."""
+        return sum(b.ref_cnt == 1 for b in self.blocks)
+
 
 @dataclass
 class _ReqInfo:
@@ -770,7 +775,7 @@ class SchedulerSide:
         out: list[str] = []
         used = 0
         for held in sorted((k for k in self._kept.values() if k.critical), key=lambda k: k.rank):
-            n = sum(b.ref_cnt == 1 for b in held.blocks)  # blocks only this hold keeps on device
+            n = held.releasable
             if used + n > cap:
                 break
             used += n
@@ -832,9 +837,7 @@ class SchedulerSide:
         waited = self.clock() - arrived if arrived is not None else math.inf  # re-admission: no reserve
         protect = self._protected(info, waited)
         releasable = sum(
-            sum(b.ref_cnt == 1 for b in k.blocks)
-            for k in self._kept.values()
-            if k.session_id != own and k.session_id not in protect
+            k.releasable for k in self._kept.values() if k.session_id != own and k.session_id not in protect
         )
         if bp.num_free(pool) + releasable < need:
             if protect and bp.num_free(pool) + releasable + self._protected_blocks(protect) >= need:
@@ -843,9 +846,7 @@ class SchedulerSide:
         self._release_kept_until(lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect)
 
     def _protected_blocks(self, protect: frozenset[str]) -> int:
-        return sum(
-            sum(b.ref_cnt == 1 for b in k.blocks) for k in self._kept.values() if k.session_id in protect
-        )
+        return sum(k.releasable for k in self._kept.values() if k.session_id in protect)
 
     # ---- demand load
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
@@ -993,9 +994,7 @@ class SchedulerSide:
             else:
                 own_idle += block.ref_cnt == 0
         queued = sum(n for r, n in self._waiting.items() if r != req_id)
-        yieldable = sum(
-            sum(b.ref_cnt == 1 for b in k.blocks) for k in self._kept.values() if k.session_id != session_id
-        )
+        yieldable = sum(k.releasable for k in self._kept.values() if k.session_id != session_id)
         room = bp.num_free(pool) - own_idle - max(self._reserve_blocks(), queued) + yieldable
         return room >= missing
 
