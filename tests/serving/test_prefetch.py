@@ -224,6 +224,41 @@ def test_unused_when_never_prefetched(clock: Clock) -> None:
     assert planner.stats()["unused"] == 1
 
 
+def test_waiting_request_keeps_its_stall_until_admitted(clock: Clock) -> None:
+    """A queue longer than the grace must not free the copies the waiting request loads next."""
+    planner = PrefetchPlanner(clock=clock, unused_after_s=5.0, expiry_max_s=600.0)
+    planner.begin("r", "s1", predicted_s=2.0, h2d_s=0.0)
+    planner.begin("other", "s2", predicted_s=2.0, h2d_s=0.0)
+    clock.t += 2.0
+    planner.end("r")
+    planner.end("other")
+    assert planner.on_waiting("s1") == 1
+    clock.t += 60.0  # far past the grace: only the stall with no waiting request goes
+    assert planner.expired() == ["other"]
+    assert planner.on_request("s1") == [("r", "late")]
+    # Bounded: a request that waits longer than expiry_max_s lets its copies go.
+    planner.begin("q", "s3", predicted_s=2.0, h2d_s=0.0)
+    planner.on_waiting("s3")
+    clock.t += 599.0
+    assert planner.expired() == []
+    clock.t += 1.0
+    assert planner.expired() == ["q"]
+
+
+def test_aborted_waiting_request_restores_the_grace(clock: Clock) -> None:
+    planner = PrefetchPlanner(clock=clock, unused_after_s=5.0)
+    planner.begin("r", "s1", predicted_s=2.0, h2d_s=0.0)
+    clock.t += 2.0
+    planner.end("r")
+    planner.on_waiting("s1")
+    clock.t += 30.0
+    planner.on_waiting_cancelled("s1")  # the grace counts from the abort
+    clock.t += 4.9
+    assert planner.expired() == []
+    clock.t += 0.1
+    assert planner.expired() == ["r"]
+
+
 def test_parallel_stalls_of_one_session(planner: PrefetchPlanner, clock: Clock) -> None:
     planner.begin("a", "s", predicted_s=1.0, h2d_s=0.0)
     planner.begin("b", "s", predicted_s=1.0, h2d_s=0.0)

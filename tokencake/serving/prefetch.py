@@ -93,6 +93,9 @@ class PlannedStall:
     started_at: float | None = None
     done_at: float | None = None
     arrived_at: float | None = None
+    #: When the session's next request arrived and began to wait for admission (its host copies
+    #: are about to be loaded: they must not be released as unused while it waits).
+    waiting_since: float | None = None
     #: True once the prefetch was started before the stall ended (a predictive upload).
     predictive: bool = False
     prefetches: int = 0
@@ -330,8 +333,38 @@ class PrefetchPlanner:
                 out.append((sid, cls))
         return out
 
+    def on_waiting(self, session_id: str, *, now: float | None = None) -> int:
+        """The session's next request arrived and waits for admission; returns how many plans it holds.
+
+        Its stalls' host copies are the next thing the engine will load, however long the queue:
+        until the request is admitted (:meth:`on_request`) or given up (:meth:`on_waiting_cancelled`)
+        they are not released as unused — under a long queue a fixed grace after the tool's return
+        would free exactly the copies that are needed soonest (``docs/policy.md`` §7).
+        """
+        t = self._now(now)
+        n = 0
+        with self._lock:
+            for plan in self._stalls.values():
+                if plan.session_id == session_id and plan.waiting_since is None:
+                    plan.waiting_since = t
+                    n += 1
+        return n
+
+    def on_waiting_cancelled(self, session_id: str, *, now: float | None = None) -> None:
+        """The waiting request left without being admitted (aborted): the usual grace applies again."""
+        t = self._now(now)
+        with self._lock:
+            for plan in self._stalls.values():
+                if plan.session_id == session_id and plan.waiting_since is not None:
+                    plan.waiting_since = None
+                    if plan.ended_at is not None:
+                        plan.ended_at = max(plan.ended_at, t)
+
     def expired(self, now: float | None = None) -> list[str]:
         """Stalls to give up on: no end by ``expires_at``, or ended ``unused_after_s`` ago with no request.
+
+        A stall whose session's next request is waiting for admission (:meth:`on_waiting`) is kept
+        until ``expiry_max_s`` after the request arrived.
 
         Returns their ids (release their host pins); they are classified ``expired``, ``wasted``
         (prefetched, never used) or ``unused``.
@@ -340,10 +373,14 @@ class PrefetchPlanner:
         gone: list[str] = []
         with self._lock:
             for sid, plan in list(self._stalls.items()):
-                if plan.ended_at is None:
+                if plan.waiting_since is not None:
+                    if t - plan.waiting_since < self.expiry_max_s:
+                        continue
+                    cls: Classification = "unused"
+                elif plan.ended_at is None:
                     if t < plan.expires_at:
                         continue
-                    cls: Classification = "expired"
+                    cls = "expired"
                 elif t - plan.ended_at >= self.unused_after_s:
                     cls = "wasted" if plan.state in ("on_device", "evicted") else "unused"
                 else:

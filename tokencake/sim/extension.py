@@ -427,7 +427,8 @@ class KVExtension:
 
     # ------------------------------------------------------------------ engine hooks
     def on_new_request(self, req: Request) -> None:
-        pass
+        """As the connector: the session's host copies stay pinned while this request waits."""
+        self.planner.on_waiting(req.session.session_id, now=self.now)
 
     def host_match(self, req: Request, first: int, limit: int) -> list[int] | None:
         sid = req.session.session_id
@@ -810,4 +811,6 @@ class KVExtension:
             else None,
             "ready_rate": ready / eligible if eligible else None,
             "counters": dict(sorted(c.items())),
+            "host_pool": self.host.stats(),
+            "prefetch_planner": self.planner.stats(),
         }

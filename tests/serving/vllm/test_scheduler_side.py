@@ -465,6 +465,28 @@ def test_stall_without_end_expires(pool: BlockPool, clock: Clock) -> None:
     assert side.host.num_reclaimable == 2
 
 
+def test_host_copies_stay_pinned_while_the_next_request_waits(pool: BlockPool, clock: Clock) -> None:
+    """A queue longer than end_grace_s must not free the copies the queued request loads next
+    (at 1,000 agents in the simulator that freed most copies and each turn recomputed)."""
+    side = make_side(pool, clock, prefetch=False, end_grace_s=5.0)
+    hashes = chain("q", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin(predicted=1.0))
+    answer(side, side.build_meta())
+    side.handle_event(end(duration=1.0))
+    nxt = request("r2", hashes, 3 * BS + 5, next_tool=None)
+    side.on_new_request(nxt)  # queued behind others
+    clock.t += 100.0
+    side.build_meta()
+    assert side.host.num_reclaimable == 0  # still pinned for the waiting request
+    assert side.get_num_new_matched_tokens(nxt, 0) == 3 * BS  # loads from host when admitted
+    # Aborted while queued: the grace applies from then on.
+    side.request_finished(nxt)
+    clock.t += 5.0
+    side.build_meta()
+    assert side.host.num_reclaimable == 3
+
+
 def test_blocks_lost_while_waiting_keep_the_waiting_reason(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, host_blocks=1)
     finish_turn(side, pool, chain("w", 3))

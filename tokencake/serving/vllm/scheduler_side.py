@@ -446,6 +446,9 @@ class SchedulerSide:
             self.stats.inc("requests.with_meta")
             if not meta.stall_events:
                 self._end_derived_stall(meta.session_id)
+            # Its stalls' host copies are what this request loads next: keep them pinned while
+            # it waits for admission, however long the queue (PrefetchPlanner.on_waiting).
+            self.planner.on_waiting(meta.session_id, now=self.clock())
         self._waiting[request.request_id] = -(-int(request.num_tokens) // self.block_size)
         self._arrival[request.request_id] = self.clock()
 
@@ -454,10 +457,12 @@ class SchedulerSide:
         self._waiting.pop(req_id, None)
         if self._first_token:
             self._watch_first_tokens(self.clock(), finished=req_id)
-        self._arrival.pop(req_id, None)
+        never_admitted = self._arrival.pop(req_id, None) is not None
         self._pending_load.pop(req_id, None)
         self._local_hit.pop(req_id, None)
         info = self._reqs.pop(req_id, None)
+        if info is not None and never_admitted:  # aborted while queued: its host copies wait no more
+            self.planner.on_waiting_cancelled(info.session_id, now=self.clock())
         if info is None and self.policy.uses_events:
             return
         # Full blocks only: the partial tail block is never cached.
