@@ -68,6 +68,9 @@ class Turn:
     messages: list[dict[str, str]]
     text: str | None = None
     error: str | None = None
+    #: Where the server says this request's prompt KV came from (TokenCake's response
+    #: ``kv_transfer_params.tokencake_kv``; None from stock vLLM).
+    kv: dict[str, int] | None = None
 
 
 @dataclass
@@ -103,7 +106,10 @@ class Client:
         self.http = httpx.Client(headers=headers, timeout=600.0)
         self.model = model or self.http.get(self.base_url + "/models").json()["data"][0]["id"]
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int, meta: dict[str, Any] | None) -> str:
+    def chat(
+        self, messages: list[dict[str, str]], max_tokens: int, meta: dict[str, Any] | None
+    ) -> tuple[str, dict[str, int] | None]:
+        """The reply and, from TokenCake, where its prompt KV came from."""
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -114,7 +120,9 @@ class Client:
             body["kv_transfer_params"] = {"tokencake": meta}
         resp = self.http.post(self.base_url + "/chat/completions", json=body)
         resp.raise_for_status()
-        return str(resp.json()["choices"][0]["message"]["content"])
+        data = resp.json()
+        kv = (data.get("kv_transfer_params") or {}).get("tokencake_kv")
+        return str(data["choices"][0]["message"]["content"]), kv if isinstance(kv, dict) else None
 
     def event(self, kind: str, **fields: Any) -> None:
         if self.events_url is None:
@@ -156,7 +164,7 @@ def run_workload(client: Client, w: Workload, label: str) -> list[Session]:
             turn = Turn(list(messages))
             s.turns.append(turn)
             try:
-                turn.text = client.chat(turn.messages, w.max_tokens, meta)
+                turn.text, turn.kv = client.chat(turn.messages, w.max_tokens, meta)
             except (httpx.HTTPError, KeyError, ValueError) as exc:
                 turn.error = f"{type(exc).__name__}: {exc}"
                 return
@@ -181,6 +189,37 @@ def run_workload(client: Client, w: Workload, label: str) -> list[Session]:
     return sessions
 
 
+def source(kv: dict[str, int] | None) -> str:
+    """The class of where a request's prompt KV came from (the most suspect source first)."""
+    if kv is None:
+        return "no_record"
+    if kv.get("admissions", 1) > 1:
+        return "preempted"
+    if kv.get("host_tokens", 0) > 0:
+        return "host_load"
+    if kv.get("prefetched_tokens", 0) > 0:
+        return "prefetched"
+    return "device_hit" if kv.get("device_tokens", 0) > 0 else "computed"
+
+
+def by_source(
+    sessions: list[Session], mismatched: list[str], only_here: list[str]
+) -> dict[str, dict[str, int]]:
+    """Turns, mismatches and mismatches on this system only, per KV source class."""
+    out: dict[str, dict[str, int]] = {}
+    bad, own = set(mismatched), set(only_here)
+    for s in sessions:
+        for t, turn in enumerate(s.turns):
+            if turn.text is None:
+                continue
+            row = out.setdefault(source(turn.kv), {"turns": 0, "mismatches": 0, "only_here": 0})
+            key = f"{s.session_id.rsplit(':', 1)[-1]}/t{t}"
+            row["turns"] += 1
+            row["mismatches"] += key in bad
+            row["only_here"] += key in own
+    return dict(sorted(out.items()))
+
+
 def replay(
     reference: Client, sessions: list[Session], max_tokens: int
 ) -> tuple[int, int, list[str], list[str]]:
@@ -197,7 +236,7 @@ def replay(
         for t, turn in enumerate(s.turns):
             if turn.text is None:
                 continue
-            ref = reference.chat(turn.messages, max_tokens, None)
+            ref, _ = reference.chat(turn.messages, max_tokens, None)
             compared += 1
             if ref != turn.text:
                 mismatches += 1
@@ -304,8 +343,11 @@ def main(argv: list[str] | None = None) -> int:
                 "mismatched_turns": where,
             }
     both = set(rows["tokencake"]["mismatched_turns"]) & set(rows["control"]["mismatched_turns"])
-    for label in rows:
+    for label, sessions in (("tokencake", tc_sessions), ("control", ctl_sessions)):
         rows[label]["only_here"] = sorted(set(rows[label]["mismatched_turns"]) - both)
+        rows[label]["by_kv_source"] = by_source(
+            sessions, rows[label]["mismatched_turns"], rows[label]["only_here"]
+        )
     result["results"] = rows
     # Paired (McNemar, exact): the same requests ran on both, so only the turns that mismatched on
     # one system say anything about a difference. p = P(TokenCake-only >= observed | equal rates).
@@ -330,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         f"only on TokenCake: {rows['tokencake']['only_here']}; only on stock: {rows['control']['only_here']}"
         f" (paired exact test, one-sided p = {result['mcnemar_one_sided_p']})"
     )
+    print("tokencake by KV source (turns / mismatches / only on TokenCake):")
+    for cls, row in rows["tokencake"]["by_kv_source"].items():
+        print(f"  {cls:<11} {row['turns']:>5} {row['mismatches']:>5} {row['only_here']:>5}")
     counters = result["tokencake_stats"]
     print("tokencake copies:", {k: v for k, v in sorted(counters.items()) if _interesting(k)})
     print("OK" if ok else "FAIL: TokenCake mismatched more often than stock vLLM (or a request failed)")

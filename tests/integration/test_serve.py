@@ -221,7 +221,11 @@ def _spatial_mixed_traffic(base_url: str, log: Path, baseline: Server) -> None:
             body["kv_transfer_params"] = {tc.events.META_KEY: tc_meta}
         resp = httpx.post(url + "/chat/completions", json=body, timeout=300.0)
         resp.raise_for_status()
-        return str(resp.json()["choices"][0]["message"]["content"])
+        data = resp.json()
+        if url == base_url:  # the connector says where the prompt KV came from (annotated or plain)
+            kv = data["kv_transfer_params"]["tokencake_kv"]
+            assert kv["prompt_tokens"] > 0 and kv["admissions"] >= 1, kv
+        return str(data["choices"][0]["message"]["content"])
 
     with ThreadPoolExecutor(8) as pool:  # every other request is a plain OpenAI request
         replies = list(pool.map(lambda i: ask(base_url, i, meta=i % 2 == 0), range(8)))

@@ -245,6 +245,15 @@ def test_demand_load_counts_host_hits_past_device_prefix(pool: BlockPool, clock:
     assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 0
     bp.release(pool, allocated)
     assert_no_pins(pool)
+    # Returned with the response: where this request's prompt KV came from.
+    req.num_computed_tokens = 5 * BS + 2
+    assert side.request_finished(req) == {
+        "device_tokens": 0,
+        "prefetched_tokens": 0,
+        "host_tokens": 4 * BS,
+        "prompt_tokens": 5 * BS + 2,
+        "admissions": 1,
+    }
 
 
 def test_demand_load_leaves_one_token_to_compute(pool: BlockPool, clock: Clock) -> None:
@@ -293,6 +302,13 @@ def test_prefetch_restores_the_device_prefix_cache(pool: BlockPool, clock: Clock
     assert side.stats.counter("hold.released.admitted") == 1
     assert side.stats.counter("next_turn.prefix_tokens_device") == 3 * BS
     assert_no_pins(pool)
+    prov = side.request_finished(req)
+    assert prov is not None
+    assert (prov["device_tokens"], prov["prefetched_tokens"], prov["host_tokens"]) == (3 * BS, 3 * BS, 0)
+    # A request that never got admitted reports nothing.
+    lost = request("r3", chain("l", 2), 2 * BS + 1)
+    side.on_new_request(lost)
+    assert side.request_finished(lost) is None
 
 
 def test_early_end_prefetches_at_once(pool: BlockPool, clock: Clock) -> None:

@@ -458,10 +458,12 @@ class TokenCakeConnector(KVConnectorBase_V1):
         if self.sched is None:
             return False, None
         try:
-            self.sched.request_finished(request)
+            provenance = self.sched.request_finished(request)
         except Exception:
             self._count_error("request_finished")
-        return False, None
+            return False, None
+        # Returned with the response (vLLM's kv_transfer_params): where this request's KV came from.
+        return False, ({"tokencake_kv": provenance} if provenance is not None else None)
 
     def reset_cache(self) -> bool | None:
         """vLLM reset its prefix cache (e.g. new weights): host copies are stale, drop them all."""

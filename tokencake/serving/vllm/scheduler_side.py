@@ -315,6 +315,8 @@ class SchedulerSide:
         self._pending_load: dict[str, tuple[int, list[bytes], list[int]]] = {}
         #: req_id -> device prefix-cache hit (tokens) of a session request, for accounting.
         self._local_hit: dict[str, int] = {}
+        #: request id -> where its prompt KV came from at admission (until it finishes).
+        self._provenance: dict[str, dict[str, int]] = {}
         #: Requests not yet admitted -> blocks their prompt needs (the queue's KV demand).
         self._waiting: dict[str, int] = {}
         #: Resumed turns (a session's request after its tool call) waiting for their first token:
@@ -452,7 +454,17 @@ class SchedulerSide:
         self._waiting[request.request_id] = -(-int(request.num_tokens) // self.block_size)
         self._arrival[request.request_id] = self.clock()
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        """The request finished (its blocks are still held): early save, stall bookkeeping.
+
+        Returns where its prompt KV came from (``_record_provenance``), None if never admitted.
+        """
+        req_id = request.request_id
+        provenance = self._provenance.pop(req_id, None)
+        self._finish(request)
+        return provenance
+
+    def _finish(self, request: Request) -> None:
         req_id = request.request_id
         self._waiting.pop(req_id, None)
         if self._first_token:
@@ -905,6 +917,32 @@ class SchedulerSide:
         self._pending_load[req_id] = (first, used, found)
         return len(found) * self.block_size
 
+    def _record_provenance(
+        self, request: Request, info: _ReqInfo | None, local_tokens: int, host_tokens: int
+    ) -> None:
+        """Where the prompt's KV came from at admission: device prefix hit (of it, blocks a prefetch
+        of this session put there), host-pool load, computed. Returned with the response
+        (``kv_transfer_params.tokencake_kv``) so a mismatch can be traced to its source."""
+        prefetched = 0
+        n_local = max(int(local_tokens), 0) // self.block_size
+        if info is not None and n_local:
+            mine: set[bytes] = set()
+            for stall in (self._active_stall(info.session_id), self._last_stall.get(info.session_id)):
+                if stall is not None:
+                    mine.update(stall.prefetched)
+            if mine:
+                hashes = list(request.block_hashes)[:n_local]
+                prefetched = sum(bytes(h) in mine for h in hashes) * self.block_size
+        prov = self._provenance.get(request.request_id)
+        admissions = 1 if prov is None else int(prov["admissions"]) + 1
+        self._provenance[request.request_id] = {
+            "device_tokens": int(local_tokens),
+            "prefetched_tokens": prefetched,
+            "host_tokens": int(host_tokens),
+            "prompt_tokens": int(getattr(request, "num_prompt_tokens", 0) or request.num_tokens),
+            "admissions": admissions,  # > 1: preempted and admitted again (the latest admission's counts)
+        }
+
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
@@ -931,6 +969,10 @@ class SchedulerSide:
             self._unkeep(info.session_id, "admitted")
         pending = self._pending_load.pop(req_id, None)
         local = self._local_hit.pop(req_id, 0)
+        try:
+            self._record_provenance(request, info, local, num_external_tokens)
+        except Exception:
+            self.stats.inc("errors.provenance")
         self._usa_req, self._usa_first = req_id, (pending[0] if pending else local // self.block_size)
         try:
             if self._account_next_turn(request, local, num_external_tokens) and arrived is not None:
