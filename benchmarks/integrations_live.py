@@ -61,6 +61,8 @@ class Config:
     tool_seconds: float
     force_tool: bool
     timeout: float = 300.0
+    #: Set on requests that name no output bound (the bundled 135M model can ramble past its 4k context).
+    max_tokens: int | None = 256
 
 
 @dataclass
@@ -104,10 +106,17 @@ class Report:
 
 
 class Probe(httpx.AsyncBaseTransport):
-    """The innermost transport: records each chat request as sent, optionally forces the tool."""
+    """The innermost transport: records each chat request as sent, optionally forces the tool and
+    bounds the output of requests that set no bound."""
 
-    def __init__(self, force_tool: bool, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        force_tool: bool,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
         self.force_tool = force_tool
+        self.max_tokens = max_tokens
         self.bodies: list[dict[str, Any]] = []
         self._transport = transport or httpx.AsyncHTTPTransport()
 
@@ -117,6 +126,8 @@ class Probe(httpx.AsyncBaseTransport):
             if self.force_tool and body.get("tools"):
                 answered = (body.get("messages") or [{}])[-1].get("role") == "tool"
                 body["tool_choice"] = "none" if answered else "required"
+            if self.max_tokens and not (body.get("max_tokens") or body.get("max_completion_tokens")):
+                body["max_tokens"] = self.max_tokens
             self.bodies.append(body)
             headers = httpx.Headers(request.headers)
             headers.pop("content-length", None)
@@ -277,7 +288,7 @@ async def run_adapter(
             f"skipped: {module} is not installed (pip install 'tokencake[{name.replace('_', '-')}]')"
         )
         return report
-    probe = Probe(cfg.force_tool, transport)
+    probe = Probe(cfg.force_tool, transport, max_tokens=cfg.max_tokens)
     rec = tc.StallRecorder()
     report.before = server_stats(cfg) if with_stats else None
     try:
@@ -342,9 +353,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--force-tool", action="store_true", help="force one tool call per turn (see above)")
     parser.add_argument("--only", choices=sorted(ADAPTERS), action="append", help="run only these adapters")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="output bound set on requests that name none (default 256; 0 = leave them unbounded)",
+    )
     args = parser.parse_args(argv)
     model = args.model or resolve_model(args.base_url, args.api_key)
-    cfg = Config(args.base_url, model, args.api_key, args.events_url, args.tool_seconds, args.force_tool)
+    cfg = Config(
+        args.base_url,
+        model,
+        args.api_key,
+        args.events_url,
+        args.tool_seconds,
+        args.force_tool,
+        max_tokens=args.max_tokens or None,
+    )
     events_url = tc.Session("probe", base_url=cfg.base_url, events_url=cfg.events_url).events_url
     print(f"server {cfg.base_url} · model {model} · events {events_url}")
     failed = False
