@@ -3,8 +3,10 @@
 The gate (``tokencake/serving/gate.py``) checks time (the stall leaves room for the round trip),
 need (the session's own blocks are at risk of eviction, or requests wait) and host room. Saves
 start at ``request_finished`` when the request announced its tool call (so the save never races the
-blocks' eviction), the upload is predictive (before the tool returns, ``PrefetchPlanner``) and
-the device copies are the first to be evicted once the host copy is confirmed.
+blocks' eviction) — there also when the only objection is "no pressure yet" and the host pool has
+free slots for the chain (``spare_room``: a save into free slots displaces nobody) — the upload is
+predictive (before the tool returns, ``PrefetchPlanner``) and the device copies are the first to be
+evicted once the host copy is confirmed.
 """
 
 from __future__ import annotations
@@ -23,4 +25,16 @@ class TokenCakePolicy(EventPolicy):
         decision = self.gate.decide(view.gate)
         if decision.offload:
             return Plan("offload", decision.reason, prefetch="predictive", evict_first=True)
+        spare = self._spare_room(view, decision.blocks_to_copy)
+        if view.at_finish and decision.reason == "no_pressure" and spare:
+            # No pressure *yet*: pressure that builds while the tool runs may evict the blocks
+            # before the stall is asked again, and the tail is then recomputed. Free host slots
+            # make the save displace nobody, so save now (a tiered cache's insurance) and keep the
+            # gate's pressure test for saves that would reclaim other sessions' copies.
+            return Plan("offload", "spare_room", prefetch="predictive", evict_first=True)
         return Plan("none", decision.reason, retry=decision.retryable)
+
+    @staticmethod
+    def _spare_room(view: PolicyView, to_copy: int) -> bool:
+        """Free (never reclaimed) host slots for every block not on host yet."""
+        return 0 < to_copy <= max(int(view.gate.host_free_blocks), 0)
