@@ -199,6 +199,8 @@ def source(kv: dict[str, int] | None) -> str:
         return "host_load"
     if kv.get("prefetched_tokens", 0) > 0:
         return "prefetched"
+    if kv.get("copied_tokens", 0) > 0:
+        return "copied_hit"  # a device hit on blocks another session's copy wrote (a shared prefix)
     return "device_hit" if kv.get("device_tokens", 0) > 0 else "computed"
 
 

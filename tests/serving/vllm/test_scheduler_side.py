@@ -250,10 +250,41 @@ def test_demand_load_counts_host_hits_past_device_prefix(pool: BlockPool, clock:
     assert side.request_finished(req) == {
         "device_tokens": 0,
         "prefetched_tokens": 0,
+        "copied_tokens": 0,
         "host_tokens": 4 * BS,
         "prompt_tokens": 5 * BS + 2,
         "admissions": 1,
     }
+
+
+def test_provenance_blames_hits_on_blocks_a_host_copy_wrote(pool: BlockPool, clock: Clock) -> None:
+    """Another session's device hit on blocks a load wrote (a shared prefix) counts as copied KV."""
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("shared", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin())
+    answer(side, side.build_meta())
+    evict_all(pool)
+    req = request("r2", [*hashes, *chain("own", 1)], 4 * BS + 2)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 3 * BS
+    blocks = bp.allocate(pool, 5)
+    side.update_state_after_alloc(req, [b.block_id for b in blocks], 3 * BS)
+    answer(side, side.build_meta())
+    for i, (b, h) in enumerate(zip(blocks[:3], hashes, strict=True)):
+        bp.register(pool, b, h, (i + 1) * BS)  # vLLM caches the loaded blocks under their hashes
+    bp.release(pool, blocks)
+    other = request("o1", [*hashes, *chain("theirs", 1)], 4 * BS + 2, session="run:B")
+    side.on_new_request(other)
+    assert side.get_num_new_matched_tokens(other, 3 * BS) == 0
+    admit(side, pool, other, hashes)
+    other.num_computed_tokens = 4 * BS + 2
+    prov = side.request_finished(other)
+    assert prov is not None
+    assert (prov["device_tokens"], prov["copied_tokens"], prov["host_tokens"]) == (3 * BS, 3 * BS, 0)
+    # After a prefix-cache reset nothing on device counts as copied any more.
+    side.reset_cache()
+    assert side._copied == {}
 
 
 def test_demand_load_leaves_one_token_to_compute(pool: BlockPool, clock: Clock) -> None:
@@ -305,6 +336,7 @@ def test_prefetch_restores_the_device_prefix_cache(pool: BlockPool, clock: Clock
     prov = side.request_finished(req)
     assert prov is not None
     assert (prov["device_tokens"], prov["prefetched_tokens"], prov["host_tokens"]) == (3 * BS, 3 * BS, 0)
+    assert prov["copied_tokens"] == 3 * BS  # the prefetch's copy wrote those device blocks
     # A request that never got admitted reports nothing.
     lost = request("r3", chain("l", 2), 2 * BS + 1)
     side.on_new_request(lost)

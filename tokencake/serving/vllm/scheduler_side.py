@@ -317,6 +317,9 @@ class SchedulerSide:
         self._local_hit: dict[str, int] = {}
         #: request id -> where its prompt KV came from at admission (until it finishes).
         self._provenance: dict[str, dict[str, int]] = {}
+        #: device block id -> the hash whose KV a host copy (prefetch or load) wrote into it. A hit
+        #: on such a block serves copied KV, whichever session's copy put it there (provenance).
+        self._copied: dict[int, bytes] = {}
         #: Requests not yet admitted -> blocks their prompt needs (the queue's KV demand).
         self._waiting: dict[str, int] = {}
         #: Resumed turns (a session's request after its tool call) waiting for their first token:
@@ -922,9 +925,17 @@ class SchedulerSide:
     ) -> None:
         """Where the prompt's KV came from at admission: device prefix hit (of it, blocks a prefetch
         of this session put there), host-pool load, computed. Returned with the response
-        (``kv_transfer_params.tokencake_kv``) so a mismatch can be traced to its source."""
-        prefetched = 0
+        (``kv_transfer_params.tokencake_kv``) so a mismatch can be traced to its source.
+
+        ``copied_tokens`` counts device hits on blocks whose KV a host copy wrote (any session's
+        prefetch or load: a shared prefix); a block recomputed later under the same hash into the
+        same block id would still count (the conservative side: blamed on the copy)."""
+        prefetched = copied = 0
         n_local = max(int(local_tokens), 0) // self.block_size
+        if n_local and self._copied and self.pool is not None:
+            for h in list(request.block_hashes)[:n_local]:
+                block = bp.cached_block(self.pool, bytes(h))
+                copied += block is not None and self._copied.get(block.block_id) == bytes(h)
         if info is not None and n_local:
             mine: set[bytes] = set()
             for stall in (self._active_stall(info.session_id), self._last_stall.get(info.session_id)):
@@ -938,6 +949,8 @@ class SchedulerSide:
         self._provenance[request.request_id] = {
             "device_tokens": int(local_tokens),
             "prefetched_tokens": prefetched,
+            # Device hits on blocks a host copy wrote (this session's prefetch or anyone's copy).
+            "copied_tokens": copied * self.block_size,
             "host_tokens": int(host_tokens),
             "prompt_tokens": int(getattr(request, "num_prompt_tokens", 0) or request.num_tokens),
             "admissions": admissions,  # > 1: preempted and admitted again (the latest admission's counts)
@@ -1162,6 +1175,7 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
         self._generation += 1
+        self._copied.clear()
         for sid in list(self._kept):
             self._unkeep(sid, "reset")
         dropped = self.host.reset()
@@ -1755,6 +1769,7 @@ class SchedulerSide:
             for h, pos, block in zip(job.hashes, job.positions, job.device_blocks, strict=True):
                 if bp.register(self.pool, block, h, (pos + 1) * self.block_size):
                     published.append(h)
+                    self._copied[block.block_id] = h
                 else:
                     self.stats.inc("prefetch.duplicate_blocks")
         if stall is not None:
@@ -1801,6 +1816,9 @@ class SchedulerSide:
         self._keep(job.session_id, chain, until, now, rank=stall.returns_at, kind="hold")
 
     def _complete_load(self, job: _Job, ok: bool) -> None:
+        if ok:  # vLLM caches these blocks under their hashes: later hits serve the copied KV
+            for h, block in zip(job.hashes, job.device_blocks, strict=True):
+                self._copied[block.block_id] = h
         if not ok:
             # The host copy may be bad: drop it so nobody loads it again (vLLM recomputes).
             for h in job.hashes:
