@@ -40,6 +40,7 @@ def test_a_sweep_writes_results_and_a_plot(tmp_path: Path, capsys: pytest.Captur
     assert [p["agents"] for p in doc["points"]] == [2, 4]
     assert set(doc["points"][0]["systems"]) == {"baseline", "tokencake", "ideal"}
     assert (out / "sim.png").stat().st_size > 0
+    assert "git_commit" in doc and "git_dirty" in doc  # which code made the numbers
     # The trace written can be replayed as is.
     assert (
         main(

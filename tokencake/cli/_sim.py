@@ -160,8 +160,14 @@ def run(args: argparse.Namespace) -> int:
         }
         points.append(point)
         _print_point(console, profile.name, point)
+    from tokencake.bench.runner import versions
+
+    env = versions()
     doc = {
         "kind": "tokencake-sim",
+        # Which code made these numbers (a dirty tree's numbers are not that commit's).
+        "git_commit": env.get("git_commit"),
+        "git_dirty": env.get("git_dirty"),
         "profile": profile.name,
         "profile_description": profile.description,
         "preset": None if args.trace else args.preset,
