@@ -305,7 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    result: dict[str, Any] = {"workload": w.__dict__ | {"stall_s": list(w.stall_s)}}
+    from tokencake.bench.runner import versions
+
+    env = versions()
+    result: dict[str, Any] = {
+        "workload": w.__dict__ | {"stall_s": list(w.stall_s)},
+        "git_commit": env.get("git_commit"),
+        "git_dirty": env.get("git_dirty"),
+    }
 
     # 1. TokenCake
     with contextlib.ExitStack() as stack:
