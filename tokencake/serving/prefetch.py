@@ -339,7 +339,7 @@ class PrefetchPlanner:
         Its stalls' host copies are the next thing the engine will load, however long the queue:
         until the request is admitted (:meth:`on_request`) or given up (:meth:`on_waiting_cancelled`)
         they are not released as unused — under a long queue a fixed grace after the tool's return
-        would free exactly the copies that are needed soonest (``docs/policy.md`` §7).
+        would free exactly the copies that are needed soonest (``docs/policy.md`` §3).
         """
         t = self._now(now)
         n = 0
