@@ -218,13 +218,18 @@ def test_failed_offload_leaves_nothing_on_host(pool: BlockPool, clock: Clock) ->
     assert_no_pins(pool)
 
 
-def test_demand_load_counts_host_hits_past_device_prefix(pool: BlockPool, clock: Clock) -> None:
-    side = make_side(pool, clock, prefetch=False)
-    hashes = chain("d", 4)
+def offloaded_then_evicted(side: SchedulerSide, pool: BlockPool, hashes: list[bytes]) -> None:
+    """Session A's turn finished, its stall offloaded the chain, and other traffic evicted it."""
     finish_turn(side, pool, hashes)
     side.handle_event(begin())
     answer(side, side.build_meta())
     evict_all(pool)
+
+
+def test_demand_load_counts_host_hits_past_device_prefix(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("d", 4)
+    offloaded_then_evicted(side, pool, hashes)
     side.handle_event(end())
     side.build_meta()
     # Next turn: 4 old blocks + 1 new block + 2 tokens; device has nothing, host has 4 blocks.
@@ -261,10 +266,7 @@ def test_provenance_blames_hits_on_blocks_a_host_copy_wrote(pool: BlockPool, clo
     """Another session's device hit on blocks a load wrote (a shared prefix) counts as copied KV."""
     side = make_side(pool, clock, prefetch=False)
     hashes = chain("shared", 3)
-    finish_turn(side, pool, hashes)
-    side.handle_event(begin())
-    answer(side, side.build_meta())
-    evict_all(pool)
+    offloaded_then_evicted(side, pool, hashes)
     req = request("r2", [*hashes, *chain("own", 1)], 4 * BS + 2)
     side.on_new_request(req)
     assert side.get_num_new_matched_tokens(req, 0) == 3 * BS
