@@ -25,8 +25,11 @@ class TokenCakePolicy(EventPolicy):
         decision = self.gate.decide(view.gate)
         if decision.offload:
             return Plan("offload", decision.reason, prefetch="predictive", evict_first=True)
-        spare = self._spare_room(view, decision.blocks_to_copy)
-        if view.at_finish and decision.reason == "no_pressure" and spare:
+        if (
+            view.at_finish
+            and decision.reason == "no_pressure"
+            and self._spare_room(view, decision.blocks_to_copy)
+        ):
             # No pressure *yet*: pressure that builds while the tool runs may evict the blocks
             # before the stall is asked again, and the tail is then recomputed. Free host slots
             # make the save displace nobody, so save now (a tiered cache's insurance) and keep the

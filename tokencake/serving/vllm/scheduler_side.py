@@ -930,25 +930,24 @@ class SchedulerSide:
         ``copied_tokens`` counts device hits on blocks whose KV a host copy wrote (any session's
         prefetch or load: a shared prefix); a block recomputed later under the same hash into the
         same block id would still count (the conservative side: blamed on the copy)."""
-        prefetched = copied = 0
-        n_local = max(int(local_tokens), 0) // self.block_size
-        if n_local and self._copied and self.pool is not None:
-            for h in list(request.block_hashes)[:n_local]:
-                block = bp.cached_block(self.pool, bytes(h))
-                copied += block is not None and self._copied.get(block.block_id) == bytes(h)
-        if info is not None and n_local:
-            mine: set[bytes] = set()
+        mine: set[bytes] = set()  # blocks this session's prefetches uploaded
+        if info is not None:
             for stall in (self._active_stall(info.session_id), self._last_stall.get(info.session_id)):
                 if stall is not None:
                     mine.update(stall.prefetched)
-            if mine:
-                hashes = list(request.block_hashes)[:n_local]
-                prefetched = sum(bytes(h) in mine for h in hashes) * self.block_size
+        pool = self.pool if self._copied else None  # nothing copied on device: no lookups
+        n_local = max(int(local_tokens), 0) // self.block_size
+        hit = [bytes(h) for h in list(request.block_hashes)[:n_local]] if mine or pool is not None else []
+        prefetched = copied = 0
+        for h in hit:
+            prefetched += h in mine
+            block = bp.cached_block(pool, h) if pool is not None else None
+            copied += block is not None and self._copied.get(block.block_id) == h
         prov = self._provenance.get(request.request_id)
         admissions = 1 if prov is None else int(prov["admissions"]) + 1
         self._provenance[request.request_id] = {
             "device_tokens": int(local_tokens),
-            "prefetched_tokens": prefetched,
+            "prefetched_tokens": prefetched * self.block_size,
             # Device hits on blocks a host copy wrote (this session's prefetch or anyone's copy).
             "copied_tokens": copied * self.block_size,
             "host_tokens": int(host_tokens),
@@ -1819,7 +1818,7 @@ class SchedulerSide:
         if ok:  # vLLM caches these blocks under their hashes: later hits serve the copied KV
             for h, block in zip(job.hashes, job.device_blocks, strict=True):
                 self._copied[block.block_id] = h
-        if not ok:
+        else:
             # The host copy may be bad: drop it so nobody loads it again (vLLM recomputes).
             for h in job.hashes:
                 self.host.drop(h)
