@@ -193,6 +193,8 @@ def source(kv: dict[str, int] | None) -> str:
     """The class of where a request's prompt KV came from (the most suspect source first)."""
     if kv is None:
         return "no_record"
+    if kv.get("failed_load_tokens", 0) > 0 or kv.get("failed_copy_tokens", 0) > 0:
+        return "failed_copy"  # its own load failed (recomputed), or its session's offload/prefetch
     if kv.get("admissions", 1) > 1:
         return "preempted"
     if kv.get("host_tokens", 0) > 0:

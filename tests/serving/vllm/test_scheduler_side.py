@@ -259,7 +259,54 @@ def test_demand_load_counts_host_hits_past_device_prefix(pool: BlockPool, clock:
         "host_tokens": 4 * BS,
         "prompt_tokens": 5 * BS + 2,
         "admissions": 1,
+        "failed_copy_tokens": 0,
+        "failed_load_tokens": 0,
     }
+
+
+def test_provenance_traces_failed_copies(pool: BlockPool, clock: Clock) -> None:
+    """A failed offload is reported with the session's next request, a failed load with its own."""
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("f", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin())
+    answer(side, side.build_meta(), ok=False)  # the offload failed: nothing committed
+    assert all(side.host.lookup(h) is None for h in hashes)
+    side.handle_event(end())
+    side.build_meta()
+    req = request("r2", [*hashes, *chain("new", 1)], 4 * BS + 2)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 0
+    admit(side, pool, req, hashes)
+    req.num_computed_tokens = 4 * BS + 2
+    prov = side.request_finished(req)
+    assert prov is not None and (prov["failed_copy_tokens"], prov["failed_load_tokens"]) == (3 * BS, 0)
+    # Reported once: the session's following request starts clean.
+    again = request("r3", [*hashes, *chain("new", 1)], 4 * BS + 2)
+    side.on_new_request(again)
+    admit(side, pool, again, hashes)
+    prov = side.request_finished(again)
+    assert prov is not None and prov["failed_copy_tokens"] == 0
+
+    # Session B: offloaded, evicted, and its demand load fails (vLLM recomputes those tokens).
+    other = chain("g", 3)
+    finish_turn(side, pool, other, "b1", session="run:B")
+    side.handle_event(begin("s2", session="run:B"))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    side.handle_event(end("s2", session="run:B"))
+    side.build_meta()
+    req = request("b2", [*other, *chain("next", 1)], 4 * BS + 2, session="run:B")
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 3 * BS
+    allocated = bp.allocate(pool, 5)
+    side.update_state_after_alloc(req, [b.block_id for b in allocated], 3 * BS)
+    answer(side, side.build_meta(), ok=False)
+    bp.release(pool, allocated)
+    assert_no_pins(pool)
+    req.num_computed_tokens = 4 * BS + 2
+    prov = side.request_finished(req)
+    assert prov is not None and (prov["host_tokens"], prov["failed_load_tokens"]) == (3 * BS, 3 * BS)
 
 
 def test_provenance_blames_hits_on_blocks_a_host_copy_wrote(pool: BlockPool, clock: Clock) -> None:

@@ -317,6 +317,9 @@ class SchedulerSide:
         self._local_hit: dict[str, int] = {}
         #: request id -> where its prompt KV came from at admission (until it finishes).
         self._provenance: dict[str, dict[str, int]] = {}
+        #: session id -> tokens of its copies (offload, prefetch) that failed since its last
+        #: admission; reported with the next request's provenance (a faulty copy's trace).
+        self._failed_copies: ByteLRU[str, int] = ByteLRU(max_items=4096, max_bytes=1 << 20)
         #: device block id -> the hash whose KV a host copy (prefetch or load) wrote into it. A hit
         #: on such a block serves copied KV, whichever session's copy put it there (provenance).
         self._copied: dict[int, bytes] = {}
@@ -945,6 +948,7 @@ class SchedulerSide:
             copied += block is not None and self._copied.get(block.block_id) == h
         prov = self._provenance.get(request.request_id)
         admissions = 1 if prov is None else int(prov["admissions"]) + 1
+        failed_before = self._failed_copies.pop(info.session_id) if info is not None else None
         self._provenance[request.request_id] = {
             "device_tokens": int(local_tokens),
             "prefetched_tokens": prefetched * self.block_size,
@@ -953,6 +957,12 @@ class SchedulerSide:
             "host_tokens": int(host_tokens),
             "prompt_tokens": int(getattr(request, "num_prompt_tokens", 0) or request.num_tokens),
             "admissions": admissions,  # > 1: preempted and admitted again (the latest admission's counts)
+            # The session's offloads / prefetches that failed since its previous admission, and
+            # (filled in when the copy reports) this request's own demand load that failed and
+            # was recomputed by vLLM. Non-zero only with faults: what a faulty copy could touch.
+            "failed_copy_tokens": int(failed_before or 0)
+            + (int(prov.get("failed_copy_tokens", 0)) if prov is not None else 0),
+            "failed_load_tokens": int(prov.get("failed_load_tokens", 0)) if prov is not None else 0,
         }
 
     def update_state_after_alloc(
@@ -1717,6 +1727,7 @@ class SchedulerSide:
         else:
             self.stats.inc(f"{kind}.failed")
             log.warning("TokenCake %s job %d failed: %s", kind, job.job_id, error)
+            self._trace_failed_copy(job)
         stale = job.generation != self._generation
         if stale:
             self.stats.inc(f"{kind}.dropped_after_reset")
@@ -1733,6 +1744,17 @@ class SchedulerSide:
             self._after_offload(job)
         elif kind == "prefetch" and ok and not stale:
             self._hold_prefetched(job)
+
+    def _trace_failed_copy(self, job: _Job) -> None:
+        """Remember a failed copy for the provenance of the request it could have fed."""
+        tokens = len(job.hashes) * self.block_size
+        if job.kind == "load":  # this request's own load: vLLM recomputes those tokens
+            prov = self._provenance.get(job.req_id or "")
+            if prov is not None:
+                prov["failed_load_tokens"] = prov.get("failed_load_tokens", 0) + tokens
+        elif job.session_id is not None:  # the session's next request is the one to watch
+            before = self._failed_copies.get(job.session_id) or 0
+            self._failed_copies.put(job.session_id, before + tokens, 64)
 
     def _complete_offload(self, job: _Job, ok: bool) -> None:
         stall = self._active_stall(job.session_id)
