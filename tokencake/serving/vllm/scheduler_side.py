@@ -946,8 +946,7 @@ class SchedulerSide:
             prefetched += h in mine
             block = bp.cached_block(pool, h) if pool is not None else None
             copied += block is not None and self._copied.get(block.block_id) == h
-        prov = self._provenance.get(request.request_id)
-        admissions = 1 if prov is None else int(prov["admissions"]) + 1
+        prev = self._provenance.get(request.request_id) or {}  # an earlier admission (preempted)
         failed_before = self._failed_copies.pop(info.session_id) if info is not None else None
         self._provenance[request.request_id] = {
             "device_tokens": int(local_tokens),
@@ -956,13 +955,13 @@ class SchedulerSide:
             "copied_tokens": copied * self.block_size,
             "host_tokens": int(host_tokens),
             "prompt_tokens": int(getattr(request, "num_prompt_tokens", 0) or request.num_tokens),
-            "admissions": admissions,  # > 1: preempted and admitted again (the latest admission's counts)
+            # > 1: preempted and admitted again (the latest admission's counts)
+            "admissions": int(prev.get("admissions", 0)) + 1,
             # The session's offloads / prefetches that failed since its previous admission, and
             # (filled in when the copy reports) this request's own demand load that failed and
             # was recomputed by vLLM. Non-zero only with faults: what a faulty copy could touch.
-            "failed_copy_tokens": int(failed_before or 0)
-            + (int(prov.get("failed_copy_tokens", 0)) if prov is not None else 0),
-            "failed_load_tokens": int(prov.get("failed_load_tokens", 0)) if prov is not None else 0,
+            "failed_copy_tokens": int(failed_before or 0) + int(prev.get("failed_copy_tokens", 0)),
+            "failed_load_tokens": int(prev.get("failed_load_tokens", 0)),
         }
 
     def update_state_after_alloc(
@@ -1727,7 +1726,6 @@ class SchedulerSide:
         else:
             self.stats.inc(f"{kind}.failed")
             log.warning("TokenCake %s job %d failed: %s", kind, job.job_id, error)
-            self._trace_failed_copy(job)
         stale = job.generation != self._generation
         if stale:
             self.stats.inc(f"{kind}.dropped_after_reset")
@@ -1740,6 +1738,8 @@ class SchedulerSide:
                 self._complete_load(job, ok)
         finally:
             self._release(job)
+        if not ok:  # after the release: bookkeeping for provenance must never strand pins
+            self._trace_failed_copy(job)
         if kind == "offload":
             self._after_offload(job)
         elif kind == "prefetch" and ok and not stale:
