@@ -164,6 +164,7 @@ class FakeServer:
         extra_args: tuple[str, ...] = (),
         log_file: str | None = None,
         extension_config: dict[str, bool] | None = None,
+        scheduler_cls: str | None = None,
     ) -> None:
         self.kwargs = {
             "model": model,
@@ -172,6 +173,7 @@ class FakeServer:
             "host_pool_blocks": host_pool_blocks,
             "extension_config": extension_config,
             "log_file": log_file,
+            "scheduler_cls": scheduler_cls,
         }
         self.backend: FakeVLLM = type(self).make_backend(self)
         self.base_url = "http://fake/v1"

@@ -59,7 +59,7 @@ def test_server_kwargs_refuse_flags_the_launcher_cannot_express():
             pass
 
     config = ServerConfig(device_blocks=40, ideal_blocks=300, host_pool_blocks=64)
-    base, tc_, ideal, pf = resolve_systems(["baseline", "tokencake", "ideal", "prefetch-off"])
+    base, tc_, ideal, pf = resolve_systems(["baseline", "spatial-off", "ideal", "prefetch-off"])
     assert server_kwargs(base, config, Bare)["num_gpu_blocks"] == 40
     assert "host_pool_blocks" not in server_kwargs(base, config, Bare)
     assert server_kwargs(ideal, config, Bare)["num_gpu_blocks"] == 300
@@ -91,15 +91,18 @@ def test_the_hold_ablation_passes_its_connector_key_to_the_server():
         server_kwargs(spec, ServerConfig(), NoConfig)
 
 
-def test_the_spatial_system_loads_the_spatial_scheduler():
+def test_tokencake_loads_the_spatial_scheduler_and_spatial_off_does_not():
     from tokencake.serving import Server
     from tokencake.serving.server import SPATIAL_SCHEDULER
 
-    (spec,) = resolve_systems(["spatial"])
+    (spec,) = resolve_systems(["tokencake"])
     kw = server_kwargs(spec, ServerConfig(), Server)
     assert kw["scheduler_cls"] == SPATIAL_SCHEDULER and kw["policy"] == "tokencake"
     assert spec.to_dict()["scheduler"] == SPATIAL_SCHEDULER
-    assert "scheduler_cls" not in server_kwargs(resolve_systems(["tokencake"])[0], ServerConfig(), Server)
+    # The ablation and the other policies pass None: vLLM's own scheduler, not Server's default.
+    for name in ("spatial-off", "offload-all", "infercept"):
+        off = server_kwargs(resolve_systems([name])[0], ServerConfig(), Server)
+        assert "scheduler_cls" in off and off["scheduler_cls"] is None, name
 
     class NoScheduler:
         def __init__(self, model=None, *, baseline=False, num_gpu_blocks=None, policy=None):

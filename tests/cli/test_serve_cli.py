@@ -236,9 +236,15 @@ def test_spatial_loads_the_spatial_scheduler(cpu: None) -> None:
     from tokencake.cli import CLIError
     from tokencake.serving.server import SPATIAL_SCHEDULER
 
-    server = serve_cli.build_server(build_parser().parse_args(["serve", "--spatial"]))
-    assert server.scheduler_cls == SPATIAL_SCHEDULER
-    assert serve_cli.build_server(build_parser().parse_args(["serve"])).scheduler_cls is None
+    def scheduler(*argv: str) -> str | None:
+        return serve_cli.build_server(build_parser().parse_args(["serve", *argv])).scheduler_cls
+
+    # On by default with the extension; --no-spatial is vLLM's own order; --scheduler-cls replaces it.
+    assert scheduler() == scheduler("--spatial") == SPATIAL_SCHEDULER
+    assert scheduler("--no-spatial") is None and scheduler("--baseline") is None
+    assert scheduler("--scheduler-cls", "x.Y") == "x.Y"
+    with pytest.raises(SystemExit):  # one or the other
+        build_parser().parse_args(["serve", "--spatial", "--no-spatial"])
     for clash in (["--spatial", "--baseline"], ["--spatial", "--scheduler-cls", "x.Y"]):
         with pytest.raises(CLIError):
             serve_cli.build_server(build_parser().parse_args(["serve", *clash]))

@@ -108,6 +108,12 @@ def test_connector_options(cpu: None) -> None:
     assert s.events_url == "http://127.0.0.1:9300"
 
 
+def test_the_spatial_scheduler_is_the_default_with_the_extension(cpu: None) -> None:
+    assert _flag(_resolved(Server(port=1)).vllm_args(), "--scheduler-cls") == srvmod.SPATIAL_SCHEDULER
+    assert "--scheduler-cls" not in _resolved(Server(port=1, scheduler_cls=None)).vllm_args()
+    assert "--scheduler-cls" not in _resolved(Server(port=1, baseline=True)).vllm_args()
+
+
 def test_cpu_without_native_bf16_serves_float32(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "--dtype" not in _resolved(Server(port=1)).vllm_args()
     monkeypatch.setattr(srvmod, "cpu_has_bf16", lambda cpuinfo=None: False)

@@ -47,8 +47,29 @@ def test_plain_requests_rank_between_and_keep_first_come_first_served() -> None:
 def test_waiting_outranks_a_newer_more_urgent_request() -> None:
     s = SpatialScorer()
     old, new = meta(slack=10.0), meta(critical=True)
-    assert score(s, new) < score(s, old, waited=9.0)
-    assert score(s, old, waited=11.0) < score(s, new)
+    head = 10.0 + s.weights.critical_s  # the old one's slack and the critical path's head start
+    assert score(s, new) < score(s, old, waited=head - 1.0)
+    assert score(s, old, waited=head + 1.0) < score(s, new)
+
+
+def test_the_critical_path_outranks_every_other_credit_a_request_holds_at_once() -> None:
+    # A non-critical request of an older app, deep in its DAG, preempted the most and with its chain
+    # held on device still ranks behind a new critical-path request of a young app (the priority
+    # scheduler's order) until it has waited the critical path's head start longer.
+    s = SpatialScorer()
+    w = s.weights
+    s.app_started("old", now=0.0)
+    now = w.max_app_age_s
+    rich = meta(slack=0.5, depth=w.max_depth, run="old")
+    crit = meta(critical=True, run="new")
+
+    def key(m: RequestMeta, arrival: float, pre: int = 0, retained: bool = False) -> float:
+        return s.order_key(m, arrival=arrival, preemptions=pre, now=now, retained=retained)
+
+    assert key(crit, now) < key(rich, now, pre=w.max_preemptions, retained=True)
+    # Bounded: waiting (almost) the head start longer closes the gap.
+    assert key(rich, now - w.critical_s, pre=w.max_preemptions, retained=True) < key(crit, now)
+    assert s.max_overtake_s() == pytest.approx(180.0)
 
 
 def test_preemptions_and_app_age_move_a_request_ahead() -> None:
@@ -131,7 +152,7 @@ def test_weights_are_checked_and_apps_bounded() -> None:
     for i, run in enumerate(("a", "b", "c")):
         s.app_started(run, now=float(i))
     assert s.app_started("a", now=10.0) == 10.0  # "a" was dropped (LRU), seen anew
-    assert SpatialScorer().max_overtake_s() == pytest.approx(140.0)
+    assert SpatialScorer().max_overtake_s() == pytest.approx(180.0)
 
 
 def test_continuums_order_is_first_come_first_served_with_retained_programs_first() -> None:

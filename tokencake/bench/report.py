@@ -199,8 +199,11 @@ ROUND_HEADLINES: dict[str, tuple[str, str]] = {
     "tokencake/hold-off": ("E2E mean tokencake/hold-off (holding prefetched chains vs not)", ".3f"),
     "continuum-queue/continuum": ("E2E mean continuum-queue/continuum (Continuum's queue order)", ".3f"),
     "tokencake/continuum-queue": ("E2E mean tokencake/continuum-queue", ".3f"),
-    "spatial/tokencake": ("E2E mean spatial/tokencake (spatial scheduler on vs off)", ".3f"),
-    "spatial/ideal": ("E2E mean spatial/ideal", ".3f"),
+    "tokencake/spatial-off": ("E2E mean tokencake/spatial-off (spatial scheduler on vs off)", ".3f"),
+    "spatial-off/ideal": ("E2E mean spatial-off/ideal", ".3f"),
+    "spatial-off/offload-all": ("E2E mean spatial-off/offload-all (same scheduler)", ".3f"),
+    "spatial-off/continuum": ("E2E mean spatial-off/continuum (same scheduler)", ".3f"),
+    "spatial-off/infercept": ("E2E mean spatial-off/infercept (same scheduler)", ".3f"),
     "replicas-affinity/replicas-round-robin": (
         "E2E mean replicas-affinity/replicas-round-robin (session affinity vs none)",
         ".3f",

@@ -394,8 +394,12 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("tokencake", "hold-off"),
     ("continuum-queue", "continuum"),
     ("tokencake", "continuum-queue"),
-    ("spatial", "tokencake"),
-    ("spatial", "ideal"),
+    # The spatial scheduler's ablation (issue 12), and the policies under the same (vLLM's) scheduler.
+    ("tokencake", "spatial-off"),
+    ("spatial-off", "ideal"),
+    ("spatial-off", "offload-all"),
+    ("spatial-off", "continuum"),
+    ("spatial-off", "infercept"),
     # Two replicas behind a router (issue 15): session affinity against round robin.
     ("replicas-affinity", "replicas-round-robin"),
 )
@@ -547,12 +551,22 @@ def _host_token_share(system: Mapping[str, Any]) -> float | None:
     return ratio(ext.get("tokens_from_host"), system["server"].get("prompt_tokens"))
 
 
+def _extension_summary(key: str) -> Callable[[Mapping[str, Any]], float | None]:
+    """A field of the system's extension summary (None on stock vLLM)."""
+    return lambda s: ((s.get("extension") or {}).get("summary") or {}).get(key)
+
+
 #: Per-system numbers given per round with their interval (``aggregate[point]["rounds"]["<system>:<key>"]``).
 SYSTEM_SERIES: dict[str, Callable[[Mapping[str, Any]], float | None]] = {
     "e2e_mean_s": lambda s: s["client"]["e2e_s"].get("mean"),
     "prefix_hit_rate": lambda s: s["server"].get("prefix_hit_rate"),
     "host_token_share": _host_token_share,
     "computed_prompt_tokens": lambda s: s["server"].get("computed_prompt_tokens"),
+    # The spatial scheduler's metrics (issue 12), measured by the connector on or off.
+    "critical_inversions": _extension_summary("critical_inversions"),
+    "queue_wait_critical_mean_s": _extension_summary("queue_wait_critical_mean_s"),
+    "queue_wait_noncritical_mean_s": _extension_summary("queue_wait_noncritical_mean_s"),
+    "queue_wait_plain_mean_s": _extension_summary("queue_wait_plain_mean_s"),
 }
 
 

@@ -8,7 +8,13 @@ state.
 
 =================== =================================================================================
 ``baseline``        stock vLLM (prefix caching on), ``device_blocks`` KV blocks
-``tokencake``       vLLM + the TokenCake extension (offload on stall, prefetch before return, demand load)
+``tokencake``       vLLM + the TokenCake extension as ``tokencake serve`` runs it: the temporal policy
+                    (offload on stall, prefetch before return, demand load) and the spatial scheduler
+                    (``--scheduler-cls``: waiting requests admitted by spatial score, critical path
+                    first; critical-path sessions' idle KV evicted last, their held chains a bounded
+                    reserve; ``tokencake/serving/spatial.py``)
+``spatial-off``     ``tokencake`` without the spatial scheduler (``tokencake serve --no-spatial``: vLLM's
+                    priority scheduler, by the SDK's critical-path priority, then arrival)
 ``ideal``           stock vLLM with ``ideal_blocks`` KV blocks (no eviction)
 ``prefetch-off``    extension with offload + demand load only (what the public 0.22 port did)
 ``demand-off``      extension with offload + predictive prefetch only (no demand-load fallback)
@@ -22,9 +28,6 @@ state.
 ``stock-connector`` extension loaded with the ``stock`` policy (decides nothing): the connector's own cost
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
-``spatial``         tokencake with the spatial scheduler (``--scheduler-cls``: waiting requests admitted
-                    by spatial score instead of priority, then arrival; critical-path sessions' idle KV
-                    evicted last and their held chains a bounded reserve; ``tokencake/serving/spatial.py``)
 ``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
                     (first come first served, a program whose KV is retained first)
 ``replicas-affinity`` two tokencake replicas (``device_blocks`` each, one core each on a CPU machine)
@@ -32,6 +35,10 @@ state.
                     derived from the requests (no events listener through a router)
 ``replicas-round-robin`` the same two replicas behind the router's ``round_robin``: no affinity
 =================== =================================================================================
+
+Every extension system but ``tokencake`` and ``continuum-queue`` runs vLLM's own scheduler
+(``--scheduling-policy priority``), as all of them were measured before the spatial scheduler became
+the default: the policies compare with ``spatial-off`` under the same scheduler.
 
 The ``*-priority`` controls isolate vLLM's priority scheduler (which also changes which request vLLM
 preempts) from the connector: ``tokencake-roomy / ideal-priority`` is the connector's own cost.
@@ -95,7 +102,19 @@ _ALL_ON = {"offload": True, "prefetch": True, "demand_load": True}
 
 SYSTEMS: dict[str, SystemSpec] = {
     "baseline": SystemSpec("baseline", stock=True, description="stock vLLM, prefix caching on"),
-    "tokencake": SystemSpec("tokencake", stock=False, flags=dict(_ALL_ON), description="vLLM + TokenCake"),
+    "tokencake": SystemSpec(
+        "tokencake",
+        stock=False,
+        flags=dict(_ALL_ON),
+        scheduler=SPATIAL_SCHEDULER,
+        description="vLLM + TokenCake (temporal policy + spatial scheduler, as `tokencake serve`)",
+    ),
+    "spatial-off": SystemSpec(
+        "spatial-off",
+        stock=False,
+        flags=dict(_ALL_ON),
+        description="tokencake without the spatial scheduler (vLLM's priority scheduler; --no-spatial)",
+    ),
     "ideal": SystemSpec(
         "ideal", stock=True, kv="ideal", description="stock vLLM, KV large enough to never evict"
     ),
@@ -167,13 +186,6 @@ SYSTEMS: dict[str, SystemSpec] = {
         flags=dict(_ALL_ON),
         connector={"hold_prefetched": False},
         description="tokencake without holding prefetched chains until their request (ablation)",
-    ),
-    "spatial": SystemSpec(
-        "spatial",
-        stock=False,
-        flags=dict(_ALL_ON),
-        scheduler=SPATIAL_SCHEDULER,
-        description="tokencake + the spatial scheduler (admission by spatial score, critical-path KV kept)",
     ),
     "continuum-queue": SystemSpec(
         "continuum-queue",
@@ -267,10 +279,10 @@ def server_kwargs(spec: SystemSpec, config: ServerConfig, server_cls: Any) -> di
         kwargs["policy"] = spec.policy
     elif spec.policy != "tokencake":
         raise ValueError(f"system {spec.name!r} needs policy {spec.policy!r}; Server has no policy keyword")
-    if spec.scheduler:
-        if "scheduler_cls" not in params:
-            raise ValueError(f"system {spec.name!r} needs --scheduler-cls; Server has no scheduler_cls")
-        kwargs["scheduler_cls"] = spec.scheduler
+    if "scheduler_cls" in params:
+        kwargs["scheduler_cls"] = spec.scheduler  # explicit: None is vLLM's own, not Server's default
+    elif spec.scheduler:
+        raise ValueError(f"system {spec.name!r} needs --scheduler-cls; Server has no scheduler_cls")
     if spec.connector:
         if "connector_config" not in params:
             raise ValueError(f"system {spec.name!r} needs connector keys; Server has no connector_config")

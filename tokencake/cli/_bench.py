@@ -40,11 +40,13 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--systems",
         help=(
-            "comma-separated: baseline,tokencake,ideal (default), prefetch-off (= offload-only), "
+            "comma-separated: baseline,tokencake,ideal (default; tokencake as `tokencake serve` runs "
+            "it, with the spatial scheduler), spatial-off (tokencake without it), "
+            "prefetch-off (= offload-only), "
             "demand-off, tokencake-roomy (extension with the ideal's KV: its cost without pressure), "
             "baseline-priority, ideal-priority, and the other KV policies in the same server: "
             "offload-all, continuum, infercept, stock-connector, hold-off (tokencake without "
-            "holding prefetched chains), spatial (tokencake + the spatial scheduler), continuum-queue "
+            "holding prefetched chains), continuum-queue "
             "(continuum + its queue order), replicas-affinity and replicas-round-robin (2 replicas "
             "behind vllm-router); see docs/benchmarks.md"
         ),

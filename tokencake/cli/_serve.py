@@ -74,12 +74,23 @@ def register(subparsers: Any) -> None:
         help="with --replicas: vllm-router's policy (default consistent_hash: a session stays put)",
     )
     p.add_argument("--scheduler-cls", help="vLLM --scheduler-cls to load with the extension")
-    p.add_argument(
+    spatial = p.add_mutually_exclusive_group()
+    spatial.add_argument(
         "--spatial",
+        dest="spatial",
         action="store_true",
-        help="the spatial scheduler: admit waiting requests by TokenCake's spatial score (DAG "
-        "position, waiting time, preemptions) instead of priority, then arrival; evict critical-path "
-        "sessions' idle KV last and keep their held chains as a bounded reserve (docs/policy.md §7)",
+        default=None,
+        help="the spatial scheduler (the default with the extension): admit waiting requests by "
+        "TokenCake's spatial score (critical path first, DAG position, waiting time, preemptions); "
+        "evict critical-path sessions' idle KV last and keep their held chains as a bounded reserve "
+        "(docs/policy.md §7)",
+    )
+    spatial.add_argument(
+        "--no-spatial",
+        dest="spatial",
+        action="store_false",
+        help="no spatial scheduler: vLLM's own admission order (--scheduling-policy priority, by the "
+        "SDK's critical-path priority, then arrival)",
     )
     p.add_argument(
         "--tool-call-parser",
@@ -153,14 +164,18 @@ def _extra_args(args: argparse.Namespace) -> list[str]:
 
 
 def _scheduler_cls(args: argparse.Namespace) -> str | None:
-    if not getattr(args, "spatial", False):
-        return args.scheduler_cls
-    if args.scheduler_cls:
-        raise CLIError("--spatial is a --scheduler-cls: give one of them")
-    if args.baseline:
-        raise CLIError("--spatial needs the extension: not with --baseline")
+    """``--scheduler-cls`` for the server: the spatial scheduler unless told otherwise."""
     from tokencake.serving.server import SPATIAL_SCHEDULER
 
+    spatial = getattr(args, "spatial", None)
+    if spatial and args.scheduler_cls:
+        raise CLIError("--spatial is a --scheduler-cls: give one of them")
+    if spatial and args.baseline:
+        raise CLIError("--spatial needs the extension: not with --baseline")
+    if args.scheduler_cls:
+        return args.scheduler_cls
+    if spatial is False or args.baseline:
+        return None
     return SPATIAL_SCHEDULER
 
 

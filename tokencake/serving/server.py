@@ -449,6 +449,8 @@ class Server:
     ``with Server() as srv:`` starts it, waits until ``/v1/models`` answers, and always stops it
     (no process left behind). ``srv.base_url`` is the OpenAI base URL (``.../v1``);
     ``srv.events_url`` the extension's events endpoint (None for a baseline server).
+    An extension server runs TokenCake's spatial scheduler (``scheduler_cls``, the default);
+    ``scheduler_cls=None`` keeps vLLM's own (``--scheduling-policy priority``).
     """
 
     def __init__(
@@ -471,7 +473,7 @@ class Server:
         log_file: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         served_model_name: str | None = None,
-        scheduler_cls: str | None = None,
+        scheduler_cls: str | None = SPATIAL_SCHEDULER,
         offload: bool = True,
         prefetch: bool = True,
         demand_load: bool = True,

@@ -6,14 +6,16 @@ orders by a fixed integer the client sends (``priority``, from the SDK's critica
 arrival, so a request of a non-critical agent that has waited a minute still loses to every new
 critical one, and a plain OpenAI request (priority 0) ranks with the critical path. The score below
 combines the DAG position the SDK sends with what happened since the request arrived, and it ages,
-so the order is work-conserving and nothing starves.
+so the order is work-conserving and nothing starves. A critical-path request keeps the head start
+the priority scheduler gives it (``critical_s``), but only a bounded one.
 
 A score is in seconds of slack; lower is admitted first::
 
     base  = plain_slack_s                                   a plain request (no TokenCake metadata)
           = min(slack / importance, max_slack_s)            an agent request; slack = 0 on the
-            − per_remaining_depth_s × min(remaining_depth, max_depth)    critical path, else the
-            − app_age × min(app elapsed, max_app_age_s)                  node's slack
+            − critical_s if the node is on the critical path             critical path, else the
+            − per_remaining_depth_s × min(remaining_depth, max_depth)    node's slack
+            − app_age × min(app elapsed, max_app_age_s)
     score = base − aging × waited − per_preemption_s × min(preemptions, max_preemptions)
             − retained_s if the session's KV is held on device for it (a keep or a prefetched chain)
 
@@ -21,7 +23,15 @@ Ties go to the earlier arrival, then the request id. Plain requests all have the
 among themselves they stay first come, first served. Every term of ``base`` is bounded, so a request
 that has waited ``(max_base − min_base) / aging`` seconds outranks any newcomer:
 :meth:`SpatialScorer.max_overtake_s` is that bound (the starvation guarantee: with the defaults a
-request is overtaken by later arrivals for at most 140 s of waiting).
+request is overtaken by later arrivals for at most 180 s of waiting).
+
+``critical_s`` (40 s) is as large as every other credit a non-critical request can collect at once
+but its waiting (depth, app age, preemptions and a retained chain: 10 s each at most), so in
+the queue waits of a contended server (seconds) the critical path goes first as under vLLM's
+priority scheduler; the other terms then order requests within each class. Without it a
+non-critical request whose chain was held, or whose app was older, overtook critical ones and the
+critical path waited longer than under priority scheduling (measured: 4.5–4.7 s against 3.2–3.4 s,
+stress/shared at d053b5b, ``docs/policy.md`` §7).
 
 The KV policy chooses the weights (:func:`admission_weights` of its ``admission``): TokenCake's
 policy the score above; Continuum's the order its paper schedules by, first come first served except
@@ -49,6 +59,9 @@ class SpatialWeights:
     plain_slack_s: float = 5.0
     #: Slack beyond this is "not urgent" alike.
     max_slack_s: float = 100.0
+    #: A critical-path request's head start (seconds of waiting): as large as all the other credits a
+    #: non-critical request can hold at once, so the critical path goes first, yet it is bounded.
+    critical_s: float = 40.0
     #: Seconds of slack one second of waiting cancels.
     aging: float = 1.0
     #: Each node still to run after this one (the DAG's remaining depth) counts as this much less slack.
@@ -71,6 +84,7 @@ class SpatialWeights:
         for name in (
             "plain_slack_s",
             "max_slack_s",
+            "critical_s",
             "per_remaining_depth_s",
             "app_age",
             "per_preemption_s",
@@ -87,6 +101,7 @@ ADMISSIONS: dict[str, SpatialWeights] = {
     "continuum": SpatialWeights(
         plain_slack_s=0.0,
         max_slack_s=0.0,
+        critical_s=0.0,
         per_remaining_depth_s=0.0,
         app_age=0.0,
         per_preemption_s=0.0,
@@ -124,11 +139,14 @@ class SpatialScorer:
         if meta is None:
             return w.plain_slack_s
         graph = meta.graph
-        slack = 0.0 if graph.on_critical_path else max(graph.slack_s, 0.0) / max(meta.importance, 1e-3)
+        if graph.on_critical_path:
+            slack = -w.critical_s
+        else:
+            slack = min(max(graph.slack_s, 0.0) / max(meta.importance, 1e-3), w.max_slack_s)
         depth = min(max(graph.remaining_depth, 0), w.max_depth)
         started = self.app_started(meta.run_id, now)
         age = min(max(now - started, 0.0), w.max_app_age_s)
-        return min(slack, w.max_slack_s) - w.per_remaining_depth_s * depth - w.app_age * age
+        return slack - w.per_remaining_depth_s * depth - w.app_age * age
 
     def score(self, meta: RequestMeta | None, *, waited_s: float, preemptions: int, now: float) -> float:
         w = self.weights
@@ -151,7 +169,8 @@ class SpatialScorer:
         w = self.weights
         highest = max(w.plain_slack_s, w.max_slack_s)
         lowest = -(
-            w.per_remaining_depth_s * w.max_depth
+            w.critical_s
+            + w.per_remaining_depth_s * w.max_depth
             + w.app_age * w.max_app_age_s
             + w.per_preemption_s * w.max_preemptions  # a preempted request re-enters the queue
             + w.retained_s
