@@ -30,6 +30,22 @@ def test_allocate_commit_lookup() -> None:
     assert (pool.num_free, pool.num_ready, pool.num_filling) == (2, 1, 1)
 
 
+def test_victims_are_taken_last_in_order_and_only_when_ready() -> None:
+    pool = HostPool(4)
+    a = fill(pool, "late", [h(1), h(2), h(3)])
+    filling = pool.allocate(1, "job:9")  # a copy in flight
+    # Nothing free or reclaimable: the victims are taken in the given order, as many as needed;
+    # a filling slot is never taken, whatever the caller lists.
+    with pytest.raises(HostPoolExhausted):
+        pool.allocate(4, "job:10", victims=[*filling, a[2], a[1], a[0]])
+    assert pool.lookup(h(3)) is not None  # all or nothing: nothing was taken
+    got = pool.allocate(2, "job:10", victims=[*filling, a[2], a[1], a[0]])
+    assert got == [a[2], a[1]]
+    assert pool.lookup(h(3)) is None and pool.lookup(h(2)) is None and pool.lookup(h(1)) == a[0]
+    assert pool.owners(a[2]) == {"job:10"} and pool.owned_by("late") == [a[0]]
+    assert pool.stats()["preempted"] == 2 and pool.state(filling[0]) == "filling"
+
+
 def test_owned_slots_are_never_reclaimed() -> None:
     pool = HostPool(2)
     fill(pool, "s1", [h(1), h(2)])

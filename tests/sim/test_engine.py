@@ -106,3 +106,23 @@ def test_priority_scheduling_admits_and_preempts_by_priority() -> None:
     assert high.finished_at < low.finished_at
     with pytest.raises(ValueError, match="scheduling"):
         Engine(PROFILE, scheduling="lifo")
+
+
+def test_spatial_scheduling_admits_by_the_spatial_score() -> None:
+    """The critical path first (priority 0 with an app), then plain requests, then by slack; a
+    request that waited longer than the critical path's head start goes first; the victim is
+    chosen as under ``priority``."""
+    from tokencake.serving.spatial import SpatialWeights
+
+    engine = Engine(PROFILE, device_blocks=4, scheduling="spatial")
+    head = SpatialWeights().critical_s
+    slack = Request(0, session("slack"), 4, 6, arrival=0.0, priority=20, run_id="app1")
+    plain = Request(1, session("plain"), 4, 6, arrival=0.1)
+    crit = Request(2, session("crit"), 4, 6, arrival=0.2, priority=0, run_id="app2")
+    old = Request(3, session("old"), 4, 6, arrival=-(head + 30.0), priority=20, run_id="app3")
+    for req in (slack, plain, crit, old):
+        engine.submit(req)
+    assert list(engine.waiting) == [old, crit, plain, slack]
+    done = run(engine)
+    assert set(done) == {slack, plain, crit, old}
+    assert crit.preemptions == 0  # the victims are the high-priority numbers, as vLLM picks them

@@ -220,6 +220,7 @@ def _print_point(console: Any, profile: str, point: dict[str, Any]) -> None:
         "host hits (tok)",
         "computed prompt",
         "preempt",
+        "queue wait crit / other (s)",
         "recomputed next-turn",
         "ready",
         "wall (s)",
@@ -243,6 +244,8 @@ def _print_point(console: Any, profile: str, point: dict[str, Any]) -> None:
             f"{r['host_hit_tokens']:,}",
             f"{r['computed_prompt_tokens']:,}",
             str(r["preemptions"]),
+            f"{r.get('queue_wait_critical_mean_s', float('nan')):.2f} / "
+            f"{r.get('queue_wait_noncritical_mean_s', float('nan')):.2f}",
             pct(ext.get("next_turn_recomputed_share")),
             pct(ext.get("ready_rate")),
             f"{r['wall_s']:.1f}",

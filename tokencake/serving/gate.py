@@ -149,6 +149,9 @@ class GateInput:
     num_on_host: int = 0
     #: Ready host slots nobody owns (LRU-reclaimable).
     host_reclaimable_blocks: int = 0
+    #: Host slots of stalled sessions predicted to return later than this one, which a save of
+    #: this one may take (Belady's rule on predicted returns; 0 for policies that never preempt).
+    host_preemptible_blocks: int = 0
     #: Seconds already elapsed since stall begin (re-evaluation shrinks the remaining window).
     elapsed_s: float = 0.0
     #: False when the session has never finished a request here (nothing known to offload).
@@ -270,7 +273,11 @@ class OffloadGate:
         pressure = emergency or usage >= self.usage_threshold or waiting
         if not pressure:
             return Decision(False, "no_pressure", retryable="no_pressure" in RETRYABLE, **common)
-        room = max(inp.host_free_blocks, 0) + max(inp.host_reclaimable_blocks, 0)
+        room = (
+            max(inp.host_free_blocks, 0)
+            + max(inp.host_reclaimable_blocks, 0)
+            + max(inp.host_preemptible_blocks, 0)
+        )
         if room < to_copy:
             return Decision(False, "host_pool_full", retryable="host_pool_full" in RETRYABLE, **common)
         return Decision(True, "offload", **common)

@@ -65,7 +65,8 @@ class HostPool:
         # Ready slots without owners, oldest first: the reclaim order.
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._counts = dict.fromkeys(
-            ("allocated", "committed", "deduplicated", "invalidated", "reclaimed", "exhausted"), 0
+            ("allocated", "committed", "deduplicated", "invalidated", "reclaimed", "exhausted", "preempted"),
+            0,
         )
 
     # ----------------------------------------------------------------- queries
@@ -142,19 +143,24 @@ class HostPool:
         return slots
 
     # --------------------------------------------------------------- mutation
-    def allocate(self, n: int, owner: str) -> list[int]:
+    def allocate(self, n: int, owner: str, victims: Iterable[int] = ()) -> list[int]:
         """Take ``n`` slots for a copy in progress (state ``filling``, pinned by ``owner``).
 
         Free slots first, then the least recently used unowned ready slots (their hashes are
-        dropped). All or nothing: raises :class:`HostPoolExhausted` if ``n`` slots cannot be had.
+        dropped), then — only as many as still needed, in the given order — ``victims``: ready
+        slots the caller may take from their owners (copies of sessions predicted to return later;
+        the caller vouches that no copy reads them). A victim that is not ``ready`` is skipped.
+        All or nothing: raises :class:`HostPoolExhausted` if ``n`` slots cannot be had.
         """
         if n < 0:
             raise ValueError(f"cannot allocate {n} slots")
         if not owner:
             raise ValueError("allocate needs a non-empty owner id")
         with self._lock:
+            usable = [v for v in dict.fromkeys(victims) if self._state[self._check(v)] == "ready"]
+            usable = [v for v in usable if v not in self._lru]  # unowned ones are in the LRU already
             available = len(self._free) + len(self._lru)
-            if n > available:
+            if n > available + len(usable):
                 self._counts["exhausted"] += 1
                 raise HostPoolExhausted(
                     f"host pool cannot provide {n} blocks: {len(self._free)} free, "
@@ -165,10 +171,17 @@ class HostPool:
             slots: list[int] = []
             while len(slots) < n and self._free:
                 slots.append(self._free.popleft())
-            while len(slots) < n:
+            while len(slots) < n and self._lru:
                 slot, _ = self._lru.popitem(last=False)
                 self._drop_hash(slot)
                 self._counts["reclaimed"] += 1
+                slots.append(slot)
+            for slot in usable[: n - len(slots)]:
+                for other in list(self._owners.get(slot, ())):
+                    self._remove_owner(slot, other)
+                self._lru.pop(slot, None)
+                self._drop_hash(slot)
+                self._counts["preempted"] += 1
                 slots.append(slot)
             for slot in slots:
                 self._state[slot] = "filling"

@@ -16,13 +16,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokencake.events import GraphMeta, RequestMeta
+from tokencake.serving.spatial import SpatialScorer
 from tokencake.sim.cache import BlockCache
 from tokencake.sim.profiles import HardwareProfile
 
 if TYPE_CHECKING:
     from tokencake.sim.extension import KVExtension
 
-__all__ = ["Engine", "Request", "Session"]
+__all__ = ["SCHEDULINGS", "Engine", "Request", "Session"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -76,6 +78,10 @@ class Request:
     seen_at: float | None = None
     #: Blocks it counts for in the queue's demand while it waits (0 when not queued).
     queued_blocks: int = 0
+    #: Its app (the spatial score's app age); "" = a plain request.
+    run_id: str = ""
+    #: Its place in the waiting queue (lowest first), set when queued.
+    queue_key: tuple[float, float, int] = (0.0, 0.0, 0)
 
     @property
     def total_tokens(self) -> int:
@@ -87,6 +93,10 @@ class Request:
         return self.num_computed < self.total_tokens - (1 if self.generated else 0)
 
 
+#: Admission orders the engine models (``Engine(scheduling=...)``).
+SCHEDULINGS: tuple[str, ...] = ("fcfs", "priority", "spatial")
+
+
 class Engine:
     def __init__(
         self,
@@ -96,11 +106,14 @@ class Engine:
         extension: KVExtension | None = None,
         scheduling: str = "fcfs",
     ) -> None:
-        """``scheduling``: ``fcfs`` (vLLM's default) or ``priority`` (``--scheduling-policy
-        priority``: the queue by (priority, arrival), the preemption victim the lowest priority)."""
-        if scheduling not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling must be fcfs or priority, got {scheduling!r}")
+        """``scheduling``: ``fcfs`` (vLLM's default), ``priority`` (``--scheduling-policy
+        priority``: the queue by (priority, arrival), the preemption victim the lowest priority) or
+        ``spatial`` (TokenCake's spatial scheduler: the queue by the spatial score, the victim as
+        under ``priority``; ``docs/simulation.md`` §2 says what of it is modelled)."""
+        if scheduling not in SCHEDULINGS:
+            raise ValueError(f"scheduling must be one of {', '.join(SCHEDULINGS)}, got {scheduling!r}")
         self.scheduling = scheduling
+        self.scorer = SpatialScorer()
         self.profile = profile
         self.block_size = profile.block_size
         self.cache = BlockCache(device_blocks or profile.device_blocks)
@@ -289,8 +302,9 @@ class Engine:
         return scheduled, loads
 
     def _victim(self) -> Request:
-        """FCFS: the latest running request; priority: the lowest priority, then the latest."""
-        if self.scheduling == "priority":
+        """FCFS: the latest running request; priority (and spatial, which keeps vLLM's victim
+        choice): the lowest priority, then the latest."""
+        if self.scheduling != "fcfs":
             return max(self.running, key=lambda r: (r.priority, r.arrival, r.rid))
         return self.running[-1]
 
@@ -326,19 +340,32 @@ class Engine:
     def _enqueue(self, req: Request, *, front: bool = False) -> None:
         req.queued_blocks = cdiv(req.total_tokens, self.block_size)
         self._wb += req.queued_blocks
-        if self.scheduling == "priority":
-            key = (req.priority, req.arrival, req.rid)
+        if self.scheduling != "fcfs":
+            req.queue_key = key = self._queue_key(req)
             i = len(self.waiting)
-            while (
-                i > 0
-                and (self.waiting[i - 1].priority, self.waiting[i - 1].arrival, self.waiting[i - 1].rid) > key
-            ):
+            while i > 0 and self.waiting[i - 1].queue_key > key:
                 i -= 1
             self.waiting.insert(i, req)
         elif front:
             self.waiting.appendleft(req)
         else:
             self.waiting.append(req)
+
+    def _queue_key(self, req: Request) -> tuple[float, float, int]:
+        """priority: (priority, arrival); spatial: the score's order key (``spatial.order_key``) from
+        what a trace knows of the node — on the critical path when its priority is 0, else its
+        priority as seconds of slack — its app, its preemptions and whether its chain is held."""
+        if self.scheduling == "priority":
+            return (float(req.priority), req.arrival, req.rid)
+        meta = None
+        if req.run_id:
+            graph = GraphMeta(on_critical_path=req.priority == 0, slack_s=float(req.priority))
+            meta = RequestMeta(session_id=req.session.session_id, run_id=req.run_id, node="", graph=graph)
+        held = self.ext is not None and self.ext.holds_kv(req.session.session_id)
+        key = self.scorer.order_key(
+            meta, arrival=req.arrival, preemptions=req.preemptions, now=self.now, retained=held
+        )
+        return (key, req.arrival, req.rid)
 
     def _dequeue(self) -> Request:
         req = self.waiting.popleft()

@@ -197,6 +197,11 @@ class KVExtension:
         assert self.engine is not None
         on_host = sum(1 for _i, k, _d, s in chain if s is not None or k in self._filling)
         left = remaining_s(predicted, elapsed, self.gate.overdue_factor)
+        short = len(chain) - on_host - self.host.num_free - self.host.num_reclaimable
+        preemptible = 0
+        if short > 0:
+            own = {k for _i, k, _d, _s in chain}
+            preemptible = len(self._host_victims(self.now + left, session.session_id, limit=short, own=own))
         gate = GateInput(
             predicted_s=predicted,
             num_blocks=len(chain),
@@ -206,6 +211,7 @@ class KVExtension:
             host_free_blocks=self.host.num_free,
             num_on_host=on_host,
             host_reclaimable_blocks=self.host.num_reclaimable,
+            host_preemptible_blocks=preemptible,
             elapsed_s=elapsed,
         )
         return PolicyView(
@@ -252,11 +258,68 @@ class KVExtension:
         t, self._pending_copy_s = self._pending_copy_s, 0.0
         return t
 
-    def _plan_offload(self, chain: list, *, stall: _Stall | None, session_id: str) -> _Job | None:
+    def _host_victims(self, returns_at: float, session_id: str, *, limit: int, own: set[bytes]) -> list[int]:
+        """The connector's ``_host_victims``: host slots of offloaded stalls predicted to return
+        later than ``returns_at`` (latest first, each chain tail first) that nothing else owns."""
+        if not self.policy.preempts_host or not self._stalls:
+            return []
+        assert self.engine is not None
+        waiting = {r.session.session_id for r in self.engine.waiting}
+        later = []
+        for stall in self._stalls.values():
+            sid = stall.session.session_id
+            if (
+                not stall.offloaded
+                or stall.ended_at is not None
+                or sid == session_id
+                or sid in waiting
+                or sid in self._loading_sessions
+            ):
+                continue
+            elapsed = self.now - stall.begin_at
+            back = self.now + remaining_s(stall.predicted_s, elapsed, self.gate.overdue_factor)
+            if back > returns_at:
+                later.append((back, stall))
+        if not later:
+            return []
+        later.sort(key=lambda x: x[0], reverse=True)
+        ids = {stall.stall_id for _b, stall in later}
+        victims: dict[int, None] = {}
+        for _b, stall in later:
+            for k in reversed(stall.keys):
+                if k in own:
+                    continue
+                slot = self.host.lookup(k)
+                if slot is None or slot in victims:
+                    continue
+                owners = self.host.owners(slot)
+                if owners and owners <= ids:
+                    victims[slot] = None
+                    if len(victims) >= limit:
+                        return list(victims)
+        return list(victims)
+
+    def _plan_offload(
+        self, chain: list, *, stall: _Stall | None, session_id: str, returns_at: float | None = None
+    ) -> _Job | None:
         todo = [(i, k, d) for i, k, d, s in chain if s is None and d is not None and k not in self._filling]
         if not todo:
             return None
-        slots = self.host.allocate(len(todo), f"job:{self._next_job + 1}")
+        victims: list[int] = []
+        short = len(todo) - self.host.num_free - self.host.num_reclaimable
+        if returns_at is not None and short > 0:
+            own = {k for _i, k, _d, _s in chain}
+            victims = self._host_victims(returns_at, session_id, limit=short, own=own)
+        losers = {slot: self.host.owners(slot) for slot in victims}
+        slots = self.host.allocate(len(todo), f"job:{self._next_job + 1}", victims)
+        taken = [slot for slot in slots if slot in losers]
+        if taken:
+            self.stats["host.preempted_blocks"] += len(taken)
+            for stall_id in {o for slot in taken for o in losers[slot]}:
+                lost = self._stalls.get(stall_id)
+                if lost is not None:
+                    self.stats["host.preempted_stalls"] += 1
+                    self._promote(lost)
         blocks = [d for _i, _k, d in todo]
         self.cache.touch(blocks)
         job = self._new_job(
@@ -357,6 +420,11 @@ class KVExtension:
             self.cache.move(self._chain_blocks(stall, on_host_only=False), front=False)
 
     # ------------------------------------------------------------------ holds (keep / prefetched)
+    def holds_kv(self, session_id: str) -> bool:
+        """Whether the session's chain is held on device for it (the spatial score's retained
+        credit, as ``SchedulerSide.holds_kv``)."""
+        return session_id in self._holds
+
     def _hold(self, session_id: str, blocks: list[int], until: float, *, rank: float, kind: str) -> None:
         held = self._holds.get(session_id)
         have = set(held.blocks) if held is not None else set()
@@ -572,7 +640,9 @@ class KVExtension:
             )
         elif plan.action == "offload":
             try:
-                self._plan_offload(chain, stall=None, session_id=session.session_id)
+                self._plan_offload(
+                    chain, stall=None, session_id=session.session_id, returns_at=self.now + predicted
+                )
             except HostPoolExhausted:
                 self.stats["early_save.host_pool_full"] += 1
 
@@ -632,7 +702,9 @@ class KVExtension:
             return
         stall.evict_first = plan.evict_first
         try:
-            self._plan_offload(chain, stall=stall, session_id=sid)
+            elapsed = max(0.0, self.now - stall.begin_at)
+            left = remaining_s(stall.predicted_s, elapsed, self.gate.overdue_factor)
+            self._plan_offload(chain, stall=stall, session_id=sid, returns_at=self.now + left)
         except HostPoolExhausted:
             stall.decision = "host_pool_full"
             self._schedule_retry(stall, self.now + self.opts.reevaluate_s)

@@ -41,12 +41,23 @@ class SystemSpec:
     #: "device" = the profile's (or the caller's) device blocks; "ideal" = enough for everything.
     kv: str = "device"
     options: dict[str, Any] = field(default_factory=dict)
+    #: The engine's admission order (``engine.SCHEDULINGS``); None = as the bench's server runs:
+    #: vLLM's priority scheduler with the extension, FCFS without.
+    scheduling: str | None = None
+
+    def engine_scheduling(self) -> str:
+        if self.scheduling is not None:
+            return self.scheduling
+        return "priority" if self.policy is not None else "fcfs"
 
 
 SYSTEMS: dict[str, SystemSpec] = {
     "baseline": SystemSpec("baseline", None),
     "ideal": SystemSpec("ideal", None, kv="ideal"),
-    "tokencake": SystemSpec("tokencake", "tokencake"),
+    # As the bench's: tokencake with the spatial scheduler (its admission order; docs/simulation.md §2),
+    # spatial-off and the other policies with vLLM's priority scheduler.
+    "tokencake": SystemSpec("tokencake", "tokencake", scheduling="spatial"),
+    "spatial-off": SystemSpec("spatial-off", "tokencake"),
     "offload-all": SystemSpec("offload-all", "offload-all"),
     "continuum": SystemSpec("continuum", "continuum"),
     "infercept": SystemSpec("infercept", "infercept"),
@@ -73,6 +84,10 @@ class SimResult:
     ttft_mean_s: float
     extension: dict[str, Any] | None
     wall_s: float
+    #: Mean seconds from arrival to first admission of critical-path and other agent requests
+    #: (the connector's ``queue_wait_s.critical`` / ``.noncritical``).
+    queue_wait_critical_mean_s: float = float("nan")
+    queue_wait_noncritical_mean_s: float = float("nan")
 
     @property
     def e2e_mean_s(self) -> float:
@@ -102,6 +117,8 @@ class SimResult:
             "host_hit_tokens": self.host_hit_tokens,
             "preemptions": self.preemptions,
             "ttft_mean_s": self.ttft_mean_s,
+            "queue_wait_critical_mean_s": self.queue_wait_critical_mean_s,
+            "queue_wait_noncritical_mean_s": self.queue_wait_noncritical_mean_s,
             "extension": self.extension,
             "wall_s": self.wall_s,
         }
@@ -138,14 +155,16 @@ def simulate(
     ext = None
     if spec.policy is not None:
         ext = KVExtension(Options(policy=spec.policy, **spec.options), host_blocks=hosts)
-    # The bench's extension servers run vLLM's priority scheduler (the SDK's critical-path
-    # priorities); stock vLLM runs FCFS.
-    engine = Engine(profile, device_blocks=blocks, extension=ext, scheduling="priority" if ext else "fcfs")
+    engine = Engine(profile, device_blocks=blocks, extension=ext, scheduling=spec.engine_scheduling())
     loop = _Loop(engine, profile)
     for app in trace.apps:
         loop.at(app.arrival_s, lambda a=app: loop.start_app(a))
     loop.run(max_sim_s)
     ttft = [r.first_token_at - r.arrival for r in loop.requests if r.first_token_at is not None]
+    waits: dict[bool, list[float]] = {True: [], False: []}
+    for r in loop.requests:
+        if r.admitted_at is not None:
+            waits[r.priority == 0].append(r.admitted_at - r.arrival)
     return SimResult(
         system=spec.name,
         profile=profile.name,
@@ -163,6 +182,8 @@ def simulate(
         ttft_mean_s=statistics.fmean(ttft) if ttft else float("nan"),
         extension=ext.summary() if ext is not None else None,
         wall_s=time.perf_counter() - started,
+        queue_wait_critical_mean_s=statistics.fmean(waits[True]) if waits[True] else float("nan"),
+        queue_wait_noncritical_mean_s=statistics.fmean(waits[False]) if waits[False] else float("nan"),
     )
 
 
@@ -237,6 +258,7 @@ class _Loop:
                     self._event_time,
                     announced,
                     priority=node.priority,
+                    run_id=state.app.run_id,
                 )
                 self.requests.append(req)
                 self._pending_req = req

@@ -87,7 +87,11 @@ def validate(fixtures: Mapping[str, Path] | None = None, profile: HardwareProfil
                 blocks = server["ideal_blocks"] if SYSTEMS[name].kv == "ideal" else server["device_blocks"]
                 spec = SYSTEMS[name]
                 if spec.policy is not None:
-                    spec = replace(spec, options={**spec.options, **SERVED_WITH})
+                    # Simulated as it was served: the spatial scheduler only where the run loaded it
+                    # (before it became the default, the stored `tokencake` ran without it).
+                    ran = next((c for c in results["config"].get("systems", ()) if c.get("name") == name), {})
+                    scheduling = "spatial" if ran.get("scheduler") else "priority"
+                    spec = replace(spec, options={**spec.options, **SERVED_WITH}, scheduling=scheduling)
                 sim = simulate(trace, prof, spec, device_blocks=blocks, host_blocks=hosts)
                 rows.append(Row(preset, label, name, measured, sim.e2e_mean_s))
     return rows

@@ -797,13 +797,13 @@ def test_host_pool_full_at_allocation_is_asked_again(
     real = side.host.allocate
     calls = {"n": 0}
 
-    def full_once(n: int, owner: str) -> list[int]:
+    def full_once(n: int, owner: str, victims: Any = ()) -> list[int]:
         calls["n"] += 1
         if calls["n"] == 1:
             from tokencake.serving.host_pool import HostPoolExhausted
 
             raise HostPoolExhausted("raced")
-        return real(n, owner)
+        return real(n, owner, victims)
 
     monkeypatch.setattr(side.host, "allocate", full_once)
     side.handle_event(begin())
@@ -813,6 +813,68 @@ def test_host_pool_full_at_allocation_is_asked_again(
     (job,) = side.build_meta().jobs  # re-evaluated, not parked forever
     answer(side, TokenCakeMetadata([job]))
     assert all(side.host.lookup(h) is not None for h in hashes)
+    assert_no_pins(pool)
+
+
+def _stalled_on_host(side: SchedulerSide, pool: BlockPool, tag: str, n: int, predicted: float) -> list[bytes]:
+    """Session ``run:<tag>`` finished a turn of ``n`` blocks and its stall's copy is on host."""
+    hashes = chain(tag, n)
+    finish_turn(side, pool, hashes, req_id=f"r{tag}", session=f"run:{tag}")
+    side.handle_event(begin(f"s{tag}", f"run:{tag}", predicted))
+    answer(side, side.build_meta())
+    return hashes
+
+
+def test_a_full_host_pool_keeps_the_sessions_that_return_soonest(pool: BlockPool, clock: Clock) -> None:
+    """Belady's rule with the forecasts: a save for a session returning in 5 s takes the host copy
+    of one returning in 100 s, tail first (the head stays: a hit needs the chain from block 0),
+    and the loser's device blocks go back to the safe end of the eviction queue."""
+    side = make_side(pool, clock, prefetch=False, host_blocks=4)
+    late = _stalled_on_host(side, pool, "L", 4, predicted=100.0)
+    assert side.host.num_free == side.host.num_reclaimable == 0
+    soon = _stalled_on_host(side, pool, "S", 3, predicted=5.0)
+    assert all(side.host.lookup(h) is not None for h in soon)
+    assert side.host.lookup(late[0]) is not None  # the head is kept
+    assert all(side.host.lookup(h) is None for h in late[1:])
+    assert side.stats.counter("host.preempted_blocks") == 3
+    assert side.stats.counter("host.preempted_stalls") == 1
+    assert side.host.stats()["preempted"] == 3
+    assert "sL" not in side._demoted  # its device copy is all it has of the tail now
+    assert_no_pins(pool)
+
+
+def test_a_save_never_takes_the_copy_of_a_session_returning_sooner(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False, host_blocks=4)
+    soon = _stalled_on_host(side, pool, "S", 4, predicted=5.0)
+    finish_turn(side, pool, chain("L", 3), req_id="rL", session="run:L")
+    side.handle_event(begin("sL", "run:L", 100.0))
+    assert side.build_meta().jobs == []  # refused: the pool keeps the sooner return
+    assert side._stalls["sL"].decision == "host_pool_full"
+    assert all(side.host.lookup(h) is not None for h in soon)
+    assert side.stats.counter("host.preempted_blocks") == 0
+    assert_no_pins(pool)
+
+
+def test_copies_in_flight_and_waiting_sessions_are_never_preempted(pool: BlockPool, clock: Clock) -> None:
+    """A later returner's copy still in flight (its slots owned by the job) and the copy of a
+    session whose next request waits (about to be loaded) are not taken; other policies never
+    preempt."""
+    side = make_side(pool, clock, prefetch=False, host_blocks=4)
+    finish_turn(side, pool, chain("L", 4), req_id="rL", session="run:L")
+    side.handle_event(begin("sL", "run:L", 100.0))
+    in_flight = side.build_meta()  # not answered yet: the slots are filling, owned by the job
+    finish_turn(side, pool, chain("S", 3), req_id="rS", session="run:S")
+    side.handle_event(begin("sS", "run:S", 5.0))
+    assert side.build_meta().jobs == []
+    answer(side, in_flight)
+    # The later returner's next request is already waiting: its copy is about to be loaded.
+    waiting = request("rL2", [*chain("L", 4), *chain("L-new", 1)], 5 * BS + 2, session="run:L")
+    side.on_new_request(waiting)
+    assert side._host_victims(clock.t + 5.0, "run:S", clock.t) == []
+    side._waiting.clear()
+    assert len(side._host_victims(clock.t + 5.0, "run:S", clock.t)) == 4
+    side.policy.preempts_host = False
+    assert side._host_victims(clock.t + 5.0, "run:S", clock.t) == []
     assert_no_pins(pool)
 
 

@@ -113,13 +113,16 @@ class KVPolicy:
     ``uses_events``: the policy acts on stall events (False: only on finished requests, as a tiered
     cache without events does). ``demand_load``: next-turn requests that miss on device load what
     the host pool holds. ``admission``: the order of waiting requests the policy asks for when the
-    spatial scheduler runs (``tokencake.serving.spatial.ADMISSIONS``).
+    spatial scheduler runs (``tokencake.serving.spatial.ADMISSIONS``). ``preempts_host``: a save
+    that finds the host pool full may take the host copies of stalled sessions predicted to return
+    later than its own (Belady's rule with the events' forecasts; the gate counts them as room).
     """
 
     name = "base"
     uses_events = True
     demand_load = True
     admission = "spatial"
+    preempts_host = False
 
     def on_finished(self, view: PolicyView) -> Plan:
         """A request of this session finished; its blocks are still held by vLLM right now."""

@@ -6,7 +6,9 @@ start at ``request_finished`` when the request announced its tool call (so the s
 blocks' eviction) — there also when the only objection is "no pressure yet" and the host pool has
 free slots for the chain (``spare_room``: a save into free slots displaces nobody) — the upload is
 predictive (before the tool returns, ``PrefetchPlanner``) and the device copies are the first to be
-evicted once the host copy is confirmed.
+evicted once the host copy is confirmed. When the host pool is full, a save may take the host
+copies of stalled sessions predicted to return later than its own (``preempts_host``, the tail of
+the latest returner first): what the pool keeps is what comes back soonest.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from tokencake.serving.policies._base import EventPolicy, Plan, PolicyView
 
 class TokenCakePolicy(EventPolicy):
     name = "tokencake"
+    #: A full host pool keeps the sessions that return soonest (their predicted returns are known).
+    preempts_host = True
 
     def __init__(self, gate: OffloadGate) -> None:
         self.gate = gate

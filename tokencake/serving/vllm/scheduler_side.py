@@ -559,10 +559,16 @@ class SchedulerSide:
         return chain
 
     def _gate_input(
-        self, chain: list, predicted_s: float, elapsed_s: float, known: bool, now: float
+        self, chain: list, predicted_s: float, elapsed_s: float, known: bool, now: float, session_id: str = ""
     ) -> GateInput:
         on_host = sum(1 for _i, h, _d, slot in chain if slot is not None or h in self._filling)
         left = remaining_s(predicted_s, elapsed_s, self.gate.overdue_factor)
+        to_copy = len(chain) - on_host
+        preemptible = 0
+        short = to_copy - self.host.num_free - self.host.num_reclaimable
+        if short > 0:  # only then does the gate need them (and only as many as are short)
+            own = {h for _i, h, _d, _s in chain}
+            preemptible = len(self._host_victims(now + left, session_id, now, limit=short, own=own))
         return GateInput(
             predicted_s=predicted_s,
             num_blocks=len(chain),
@@ -572,9 +578,68 @@ class SchedulerSide:
             host_free_blocks=self.host.num_free,
             num_on_host=on_host,
             host_reclaimable_blocks=self.host.num_reclaimable,
+            host_preemptible_blocks=preemptible,
             elapsed_s=elapsed_s,
             session_known=known,
         )
+
+    def _host_victims(
+        self,
+        returns_at: float,
+        session_id: str,
+        now: float,
+        *,
+        limit: int | None = None,
+        own: set[bytes] | frozenset[bytes] = frozenset(),
+    ) -> list[int]:
+        """Host slots a save for a session returning at ``returns_at`` may take (``preempts_host``).
+
+        Belady's rule with the events' forecasts: when the pool is full, keep the copies of the
+        sessions that return soonest. Candidates are offloaded stalls predicted to return later
+        than ``returns_at`` (their remaining time stretched as the gate's when overdue), taken in
+        eviction-queue order (non-critical first, latest return first), each chain tail first (a hit
+        needs the chain from block 0, so the head is the last to go). Never a slot that anything
+        else owns — a copy in flight (``job:``), a stall returning sooner, an ended stall whose next
+        request will load it — nor a slot planned for a demand load, nor the copies of a session
+        whose request waits or whose prefetch runs, nor a block of the saving session's own chain
+        (``own``: a shared prefix it needs too). At most ``limit`` slots (None: all).
+        """
+        if not self.policy.preempts_host or not self._stalls:
+            return []
+        waiting = {info.session_id for rid in self._waiting if (info := self._reqs.get(rid)) is not None}
+        planned = {slot for _first, _hashes, slots in self._pending_load.values() for slot in slots}
+        later: list[tuple[tuple[int, float], _Stall]] = []
+        for stall in self._stalls.values():
+            if (
+                not stall.offloaded
+                or stall.ended_at is not None
+                or stall.session_id == session_id
+                or stall.session_id in waiting
+                or stall.session_id in self._prefetching
+            ):
+                continue
+            back = now + remaining_s(stall.predicted_s, now - stall.begin_at, self.gate.overdue_factor)
+            if back > returns_at:
+                rank = demote_rank(critical=stall.critical and self.critical_last, returns_at=back)
+                later.append((rank, stall))
+        if not later:
+            return []
+        later.sort(key=lambda x: x[0], reverse=True)
+        ids = {stall.stall_id for _rank, stall in later}
+        victims: dict[int, None] = {}
+        for _rank, stall in later:
+            for h in reversed(stall.hashes):
+                if h in own:
+                    continue
+                slot = self.host.lookup(h)
+                if slot is None or slot in planned or slot in victims:
+                    continue
+                owners = self.host.owners(slot)
+                if owners and owners <= ids:
+                    victims[slot] = None
+                    if limit is not None and len(victims) >= limit:
+                        return list(victims)
+        return list(victims)
 
     def _view(
         self,
@@ -592,7 +657,7 @@ class SchedulerSide:
     ) -> PolicyView:
         """Everything a policy may weigh for one session (see ``tokencake.serving.policies``)."""
         assert self.pool is not None
-        gate = self._gate_input(chain, predicted_s, elapsed_s, known, now)
+        gate = self._gate_input(chain, predicted_s, elapsed_s, known, now, session_id)
         on_host = gate.num_on_host
         return PolicyView(
             gate=gate,
@@ -616,10 +681,14 @@ class SchedulerSide:
         self.stats.inc(f"policy.{where}.{plan.action}")
         self.stats.inc(f"policy.reason.{plan.reason}")
 
-    def _plan_offload(self, chain: list, *, stall_id: str | None, session_id: str) -> _Job | None:
+    def _plan_offload(
+        self, chain: list, *, stall_id: str | None, session_id: str, returns_at: float | None = None
+    ) -> _Job | None:
         """Pin the chain's device blocks that have no host copy yet and queue their copy.
 
-        Raises :class:`HostPoolExhausted` when the host cannot take them (nothing is pinned then).
+        With ``returns_at`` (the session's predicted return) a full host pool yields the copies of
+        sessions returning later (:meth:`_host_victims`). Raises :class:`HostPoolExhausted` when
+        the host cannot take them (nothing is pinned then).
         """
         assert self.pool is not None
         todo = [
@@ -630,7 +699,17 @@ class SchedulerSide:
         if not todo:
             return None
         # The slots are allocated for the job about to be created (owner = its id), all or nothing.
-        slots = self.host.allocate(len(todo), _Job.owner_of(self._next_job))
+        victims: list[int] = []
+        now = self.clock()
+        short = len(todo) - self.host.num_free - self.host.num_reclaimable
+        if returns_at is not None and short > 0:
+            own = {h for _i, h, _d, _s in chain}
+            victims = self._host_victims(returns_at, session_id, now, limit=short, own=own)
+        losers = {slot: self.host.owners(slot) for slot in victims}
+        slots = self.host.allocate(len(todo), _Job.owner_of(self._next_job), victims)
+        taken = [slot for slot in slots if slot in losers]
+        if taken:
+            self._after_host_preemption(taken, losers)
         blocks = [dev for _i, _h, dev in todo]
         bp.pin(self.pool, blocks)
         job = self._new_job(
@@ -648,6 +727,17 @@ class SchedulerSide:
         self._outbox.append(job.to_wire())
         self.stats.inc("offload.jobs")
         return job
+
+    def _after_host_preemption(self, taken: list[int], losers: dict[int, frozenset[str]]) -> None:
+        """Stalls lost the tail of their host copy to a session returning sooner: their device
+        blocks are no longer safe to evict first (what is left on device is all they have)."""
+        self.stats.inc("host.preempted_blocks", len(taken))
+        hit = {owner for slot in taken for owner in losers[slot]}
+        for stall_id in hit:
+            stall = self._stalls.get(stall_id)
+            if stall is not None:
+                self.stats.inc("host.preempted_stalls")
+                self._promote(stall)
 
     def _on_finished(self, info: _ReqInfo | None, hashes: list[bytes], now: float) -> None:
         """A request finished: ask the policy while vLLM still holds its blocks.
@@ -701,7 +791,7 @@ class SchedulerSide:
         if plan.action != "offload":
             return
         try:
-            job = self._plan_offload(chain, stall_id=None, session_id=session_id)
+            job = self._plan_offload(chain, stall_id=None, session_id=session_id, returns_at=now + predicted)
         except HostPoolExhausted:
             self.stats.inc("early_save.host_pool_full")
             return
@@ -1385,7 +1475,10 @@ class SchedulerSide:
             return
         stall.evict_first = plan.evict_first
         try:
-            self._plan_offload(chain, stall_id=stall.stall_id, session_id=stall.session_id)
+            left = remaining_s(stall.predicted_s, max(0.0, now - stall.begin_at), self.gate.overdue_factor)
+            self._plan_offload(
+                chain, stall_id=stall.stall_id, session_id=stall.session_id, returns_at=now + left
+            )
         except HostPoolExhausted:
             # Room may come back (other stalls end, copies finish): ask again, as for a gate "no".
             stall.decision = "host_pool_full"
