@@ -47,29 +47,47 @@ def test_plain_requests_rank_between_and_keep_first_come_first_served() -> None:
 def test_waiting_outranks_a_newer_more_urgent_request() -> None:
     s = SpatialScorer()
     old, new = meta(slack=10.0), meta(critical=True)
-    head = 10.0 + s.weights.critical_s  # the old one's slack and the critical path's head start
+    # The old one's slack and the critical path's head start, in seconds of waiting.
+    head = (10.0 + s.weights.critical_s) / s.weights.aging
     assert score(s, new) < score(s, old, waited=head - 1.0)
     assert score(s, old, waited=head + 1.0) < score(s, new)
 
 
 def test_the_critical_path_outranks_every_other_credit_a_request_holds_at_once() -> None:
-    # A non-critical request of an older app, deep in its DAG, preempted the most and with its chain
-    # held on device still ranks behind a new critical-path request of a young app (the priority
-    # scheduler's order) until it has waited the critical path's head start longer.
+    # Among requests of apps of the same age, a non-critical request deep in its DAG, preempted the
+    # most and with its chain held on device still ranks behind a critical-path request (the
+    # priority scheduler's order) until it has waited the critical path's head start longer.
     s = SpatialScorer()
     w = s.weights
-    s.app_started("old", now=0.0)
-    now = w.max_app_age_s
-    rich = meta(slack=0.5, depth=w.max_depth, run="old")
-    crit = meta(critical=True, run="new")
+    s.app_started("a", now=0.0)
+    s.app_started("b", now=0.0)
+    now = 50.0
+    rich = meta(slack=0.5, depth=w.max_depth, run="a")
+    crit = meta(critical=True, run="b")
 
     def key(m: RequestMeta, arrival: float, pre: int = 0, retained: bool = False) -> float:
         return s.order_key(m, arrival=arrival, preemptions=pre, now=now, retained=retained)
 
     assert key(crit, now) < key(rich, now, pre=w.max_preemptions, retained=True)
     # Bounded: waiting (almost) the head start longer closes the gap.
-    assert key(rich, now - w.critical_s, pre=w.max_preemptions, retained=True) < key(crit, now)
-    assert s.max_overtake_s() == pytest.approx(180.0)
+    assert key(rich, now - w.critical_s / w.aging, pre=w.max_preemptions, retained=True) < key(crit, now)
+
+
+def test_the_app_that_started_first_goes_first() -> None:
+    """First come first served by app: a request of an app that started a minute earlier ranks
+    ahead of a new request of a younger app, even one that waited a while longer; bounded by the
+    app-age cap."""
+    s = SpatialScorer()
+    w = s.weights
+    s.app_started("old", now=0.0)
+    s.app_started("young", now=60.0)
+    old, young = meta(slack=5.0, run="old"), meta(slack=5.0, run="young")
+    assert s.order_key(old, arrival=100.0, preemptions=0, now=100.0) < s.order_key(
+        young, arrival=90.0, preemptions=0, now=100.0
+    )
+    s.app_started("ancient", now=-10_000.0)
+    capped = s.order_key(meta(slack=5.0, run="ancient"), arrival=100.0, preemptions=0, now=100.0)
+    assert capped == pytest.approx(5.0 - w.app_age * w.max_app_age_s + w.aging * 100.0)
 
 
 def test_preemptions_and_app_age_move_a_request_ahead() -> None:
@@ -123,10 +141,12 @@ def test_no_request_is_overtaken_longer_than_the_bound(
 def test_a_session_whose_kv_is_held_goes_first_among_equals() -> None:
     s = SpatialScorer()
     m = meta(slack=5.0)
+    w = s.weights
     held = s.order_key(m, arrival=10.0, preemptions=0, now=10.0, retained=True)
     other = s.order_key(m, arrival=5.0, preemptions=0, now=10.0)
     assert held < other  # 10 s of retained credit beat 5 s of waiting
-    assert s.order_key(m, arrival=30.0, preemptions=0, now=30.0, retained=True) > other  # bounded
+    later = 5.0 + w.retained_s / w.aging + 1.0  # bounded: it waited longer than the credit is worth
+    assert s.order_key(m, arrival=later, preemptions=0, now=10.0, retained=True) > other
 
 
 def test_the_order_key_sorts_as_the_scores_do_later() -> None:
@@ -152,7 +172,7 @@ def test_weights_are_checked_and_apps_bounded() -> None:
     for i, run in enumerate(("a", "b", "c")):
         s.app_started(run, now=float(i))
     assert s.app_started("a", now=10.0) == 10.0  # "a" was dropped (LRU), seen anew
-    assert SpatialScorer().max_overtake_s() == pytest.approx(180.0)
+    assert SpatialScorer().max_overtake_s() == pytest.approx(1880.0)
 
 
 def test_continuums_order_is_first_come_first_served_with_retained_programs_first() -> None:

@@ -119,7 +119,8 @@ def test_spatial_scheduling_admits_by_the_spatial_score() -> None:
     slack = Request(0, session("slack"), 4, 6, arrival=0.0, priority=20, run_id="app1")
     plain = Request(1, session("plain"), 4, 6, arrival=0.1)
     crit = Request(2, session("crit"), 4, 6, arrival=0.2, priority=0, run_id="app2")
-    old = Request(3, session("old"), 4, 6, arrival=-(head + 30.0), priority=20, run_id="app3")
+    waited = (head + 30.0) / SpatialWeights().aging  # longer than the head start and the slack
+    old = Request(3, session("old"), 4, 6, arrival=-waited, priority=20, run_id="app3")
     for req in (slack, plain, crit, old):
         engine.submit(req)
     assert list(engine.waiting) == [old, crit, plain, slack]

@@ -23,15 +23,23 @@ Ties go to the earlier arrival, then the request id. Plain requests all have the
 among themselves they stay first come, first served. Every term of ``base`` is bounded, so a request
 that has waited ``(max_base − min_base) / aging`` seconds outranks any newcomer:
 :meth:`SpatialScorer.max_overtake_s` is that bound (the starvation guarantee: with the defaults a
-request is overtaken by later arrivals for at most 180 s of waiting).
+request is overtaken by later arrivals for at most 1,880 s of waiting, a bound only a sustained
+overload by apps older than five minutes comes near).
 
-``critical_s`` (40 s) is as large as every other credit a non-critical request can collect at once
-but its waiting (depth, app age, preemptions and a retained chain: 10 s each at most), so in
-the queue waits of a contended server (seconds) the critical path goes first as under vLLM's
-priority scheduler; the other terms then order requests within each class. Without it a
-non-critical request whose chain was held, or whose app was older, overtook critical ones and the
-critical path waited longer than under priority scheduling (measured: 4.5–4.7 s against 3.2–3.4 s,
-stress/shared at d053b5b, ``docs/policy.md`` §7).
+The weights, and why (``docs/policy.md`` §7 has the measurements):
+
+* ``app_age`` (1 s per second of the app's age, up to 300 s) against ``aging`` (0.25 s per
+  second of waiting): the order is first come first served **by app**. When the queue waits for
+  minutes, an order that ages requests fast becomes first come first served by request, which
+  interleaves every app's requests and finishes all of them late (in the simulator 1.2–1.6 × the
+  mean app E2E of vLLM's priority order under overload); by app, the earliest app finishes first
+  (0.84–1.04 × over 14 simulated mixes, ``docs/simulation.md``).
+* ``critical_s`` (40 s) is as large as the depth, preemption and retained-chain credits together
+  (10 s each at most) and more than the slack of most non-critical nodes, so among requests of
+  apps of similar age the critical path goes first, as under vLLM's priority scheduler. Without it
+  a non-critical request whose chain was held, or whose app was older, overtook critical ones and
+  the critical path waited longer than under priority scheduling (4.5–4.7 s against 3.2–3.4 s,
+  stress/shared at d053b5b).
 
 The KV policy chooses the weights (:func:`admission_weights` of its ``admission``): TokenCake's
 policy the score above; Continuum's the order its paper schedules by, first come first served except
@@ -62,15 +70,18 @@ class SpatialWeights:
     #: A critical-path request's head start (seconds of waiting): as large as all the other credits a
     #: non-critical request can hold at once, so the critical path goes first, yet it is bounded.
     critical_s: float = 40.0
-    #: Seconds of slack one second of waiting cancels.
-    aging: float = 1.0
+    #: Seconds of slack one second of waiting cancels. Slow next to ``app_age``: under overload the
+    #: waits grow to minutes and a fast aging turned the order into first come first served by
+    #: request, which interleaves every app's requests and finishes them all late.
+    aging: float = 0.25
     #: Each node still to run after this one (the DAG's remaining depth) counts as this much less slack.
     per_remaining_depth_s: float = 0.5
     max_depth: int = 20
-    #: Of the app's elapsed time (since its first request here), this share counts as slack spent:
-    #: among equals, the app that started first finishes first.
-    app_age: float = 0.1
-    max_app_age_s: float = 100.0
+    #: Of the app's elapsed time (since its first request here), this share counts as slack spent,
+    #: up to ``max_app_age_s``: the app that started first finishes first (first come first served
+    #: by app, not by request: the mean app E2E of a job-level FCFS, not a processor sharing).
+    app_age: float = 1.0
+    max_app_age_s: float = 300.0
     #: Each time vLLM preempted the request (it lost its KV and work) it moves ahead this much.
     per_preemption_s: float = 2.0
     max_preemptions: int = 5
@@ -99,6 +110,7 @@ ADMISSIONS: dict[str, SpatialWeights] = {
     "spatial": SpatialWeights(),
     # Continuum: FCFS, but a program whose KV is retained (a TTL pin) is scheduled first.
     "continuum": SpatialWeights(
+        aging=1.0,
         plain_slack_s=0.0,
         max_slack_s=0.0,
         critical_s=0.0,

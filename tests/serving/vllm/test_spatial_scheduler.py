@@ -65,7 +65,7 @@ def test_waiting_requests_come_out_by_score_then_arrival() -> None:
     q.add_request(req("plain-1", now - 2, plain=True))
     q.add_request(req("crit", now, critical=True))
     q.add_request(req("plain-2", now - 1, plain=True))
-    q.add_request(req("old", now - 200, slack=60.0))  # waited longer than any overtaking allows
+    q.add_request(req("old", now - 500, slack=60.0))  # waited longer than its slack + the head start
     assert len(q) == 5 and q.peek_request().request_id == "old"
     assert [r.request_id for r in q] == ["old", "crit", "plain-1", "plain-2", "far"]  # iteration = order
     assert drain(q) == ["old", "crit", "plain-1", "plain-2", "far"]
@@ -78,7 +78,7 @@ def test_waiting_requests_come_out_by_score_then_arrival() -> None:
 def test_vllms_priority_queue_would_not_age() -> None:
     """The difference in one case: vLLM's heap keeps a long-waiting request behind a new one."""
     now = 1000.0
-    old, new = req("old", now - 200, slack=60.0), req("new", now, critical=True)
+    old, new = req("old", now - 500, slack=60.0), req("new", now, critical=True)
     old.priority, new.priority = 60, 0  # what the SDK sends (slack in seconds; 0 = critical)
     heap = PriorityRequestQueue()
     scored = ScoredRequestQueue(clock=lambda: now)
