@@ -217,3 +217,19 @@ def test_lookup_many_is_lookup_of_each() -> None:
     pool.commit(b"h1", slot)
     assert pool.lookup_many([b"h0", b"h1", b"h2"]) == [None, slot, None]
     assert pool.lookup_many([]) == []
+
+
+def test_preemption_victims_latest_return_first_tail_first_and_only_theirs() -> None:
+    from tokencake.serving.host_pool import preemption_victims
+
+    pool = HostPool(8)
+    late = fill(pool, "late", [h(1), h(2), h(3)])
+    later = fill(pool, "later", [h(11), h(12)])
+    shared = fill(pool, "soon", [h(21)])[0]
+    pool.pin(later[0], "soon")  # a stall returning sooner also needs this one
+    cands = [(10.0, "late", [h(1), h(2), h(3)]), (20.0, "later", [h(11), h(12), h(21)])]
+    got = preemption_victims(pool, cands)
+    assert got == [later[1], late[2], late[1], late[0]]  # latest return first, each tail first
+    assert shared not in got and later[0] not in got
+    assert preemption_victims(pool, cands, limit=2) == [later[1], late[2]]
+    assert preemption_victims(pool, cands, own={h(12)}, skip={late[2]}) == [late[1], late[0]]

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Literal
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "HostPoolExhausted",
     "SlotState",
     "blocks_for_gib",
+    "preemption_victims",
 ]
 
 SlotState = Literal["free", "filling", "ready"]
@@ -45,6 +47,40 @@ def blocks_for_gib(gib: float, bytes_per_block: int) -> int:
     if not math.isfinite(gib) or gib < 0:
         raise ValueError(f"host pool size must be a finite GiB value >= 0, got {gib}")
     return int(gib * (1 << 30)) // bytes_per_block
+
+
+def preemption_victims(
+    host: HostPool,
+    later: list[tuple[Any, str, Sequence[bytes]]],
+    *,
+    limit: int | None = None,
+    own: AbstractSet[bytes] = frozenset(),
+    skip: AbstractSet[int] = frozenset(),
+) -> list[int]:
+    """Host slots a save may take from stalls returning later than its own (Belady's rule).
+
+    ``later``: ``(rank, owner id, chain hashes)`` of those stalls; the highest rank goes first (the
+    eviction-queue order: latest return first), each chain tail first (a hit needs the chain from
+    block 0, so the head is the last to go). A slot is a victim only if every owner is one of these
+    stalls — never a copy in flight, a stall returning sooner or any other pin — and it is neither a
+    block of the saver's own chain (``own``: a shared prefix it needs too) nor in ``skip`` (slots a
+    planned load will read). At most ``limit`` slots (None: all).
+    """
+    ids = {owner for _rank, owner, _hashes in later}
+    victims: dict[int, None] = {}
+    for _rank, _owner, hashes in sorted(later, key=lambda x: x[0], reverse=True):
+        for h in reversed(hashes):
+            if h in own:
+                continue
+            slot = host.lookup(h)
+            if slot is None or slot in skip or slot in victims:
+                continue
+            owners = host.owners(slot)
+            if owners and owners <= ids:
+                victims[slot] = None
+                if limit is not None and len(victims) >= limit:
+                    return list(victims)
+    return list(victims)
 
 
 class HostPool:

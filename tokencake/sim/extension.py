@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokencake.serving.forecast import DurationForecaster
 from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remaining_s
-from tokencake.serving.host_pool import HostPool, HostPoolExhausted
+from tokencake.serving.host_pool import HostPool, HostPoolExhausted, preemption_victims
 from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
@@ -265,7 +265,7 @@ class KVExtension:
             return []
         assert self.engine is not None
         waiting = {r.session.session_id for r in self.engine.waiting}
-        later = []
+        later: list[tuple[float, str, tuple[bytes, ...]]] = []
         for stall in self._stalls.values():
             sid = stall.session.session_id
             if (
@@ -279,25 +279,8 @@ class KVExtension:
             elapsed = self.now - stall.begin_at
             back = self.now + remaining_s(stall.predicted_s, elapsed, self.gate.overdue_factor)
             if back > returns_at:
-                later.append((back, stall))
-        if not later:
-            return []
-        later.sort(key=lambda x: x[0], reverse=True)
-        ids = {stall.stall_id for _b, stall in later}
-        victims: dict[int, None] = {}
-        for _b, stall in later:
-            for k in reversed(stall.keys):
-                if k in own:
-                    continue
-                slot = self.host.lookup(k)
-                if slot is None or slot in victims:
-                    continue
-                owners = self.host.owners(slot)
-                if owners and owners <= ids:
-                    victims[slot] = None
-                    if len(victims) >= limit:
-                        return list(victims)
-        return list(victims)
+                later.append((back, stall.stall_id, stall.keys))
+        return preemption_victims(self.host, later, limit=limit, own=own) if later else []
 
     def _plan_offload(
         self, chain: list, *, stall: _Stall | None, session_id: str, returns_at: float | None = None

@@ -52,7 +52,7 @@ from pydantic import ValidationError
 from tokencake.events import META_KEY, EventAck, NextStall, RequestMeta, StallBegin, StallEnd
 from tokencake.serving.forecast import DurationForecaster
 from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remaining_s
-from tokencake.serving.host_pool import HostPool, HostPoolExhausted
+from tokencake.serving.host_pool import HostPool, HostPoolExhausted, preemption_victims
 from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
@@ -608,7 +608,7 @@ class SchedulerSide:
             return []
         waiting = {info.session_id for rid in self._waiting if (info := self._reqs.get(rid)) is not None}
         planned = {slot for _first, _hashes, slots in self._pending_load.values() for slot in slots}
-        later: list[tuple[tuple[int, float], _Stall]] = []
+        later: list[tuple[tuple[int, float], str, tuple[bytes, ...]]] = []
         for stall in self._stalls.values():
             if (
                 not stall.offloaded
@@ -621,25 +621,8 @@ class SchedulerSide:
             back = now + remaining_s(stall.predicted_s, now - stall.begin_at, self.gate.overdue_factor)
             if back > returns_at:
                 rank = demote_rank(critical=stall.critical and self.critical_last, returns_at=back)
-                later.append((rank, stall))
-        if not later:
-            return []
-        later.sort(key=lambda x: x[0], reverse=True)
-        ids = {stall.stall_id for _rank, stall in later}
-        victims: dict[int, None] = {}
-        for _rank, stall in later:
-            for h in reversed(stall.hashes):
-                if h in own:
-                    continue
-                slot = self.host.lookup(h)
-                if slot is None or slot in planned or slot in victims:
-                    continue
-                owners = self.host.owners(slot)
-                if owners and owners <= ids:
-                    victims[slot] = None
-                    if limit is not None and len(victims) >= limit:
-                        return list(victims)
-        return list(victims)
+                later.append((rank, stall.stall_id, stall.hashes))
+        return preemption_victims(self.host, later, limit=limit, own=own, skip=planned) if later else []
 
     def _view(
         self,

@@ -1,0 +1,165 @@
+"""The spatial scheduler's admission order against vLLM's priority order, in the simulator.
+
+Issue 12's GPU-scale view and the evidence behind the score's weights (``docs/policy.md`` §7):
+every mix below is simulated with the bench's ``spatial-off`` (TokenCake's KV policy under vLLM's
+priority scheduler) and ``tokencake`` (the same policy with the spatial scheduler's admission
+order), twice per seed — once with the shipped weights, once with an earlier weighting that aged
+requests 4× faster and counted at most 10 s of app age (``--ablation``, the first version's).
+Mixes vary agent count, arrival rate, context length, shared prefixes, host pool size and the
+hardware profile (CPU-measured and the H200 model); none is tuned for.
+
+    python benchmarks/spatial_sim.py --out docs/bench/sim-spatial.json    # ~3 min on 2 cores
+
+Writes per mix and seed: mean app E2E and mean queue wait of critical-path and other requests for
+each system, and the ratios ``tokencake / spatial-off``. The simulator models the admission order
+only (not the critical reserve nor the eviction order by criticality; ``docs/simulation.md`` §7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tokencake.serving.spatial import SpatialScorer, SpatialWeights
+from tokencake.sim import engine as sim_engine
+from tokencake.sim.presets import generate
+from tokencake.sim.profiles import get_profile
+from tokencake.sim.run import SYSTEMS, simulate
+
+#: (label, profile, generate() keywords, host blocks or None for the profile's).
+MIXES: tuple[tuple[str, str, dict[str, Any], int | None], ...] = (
+    ("cpu stress 8 agents", "cpu-measured", {"preset": "stress", "agents": 8}, None),
+    ("cpu stress 16 agents", "cpu-measured", {"preset": "stress", "agents": 16}, None),
+    ("cpu stress 16 agents, host 48 blocks", "cpu-measured", {"preset": "stress", "agents": 16}, 48),
+    (
+        "cpu stress 24 agents at 0.5/s, shared prefix",
+        "cpu-measured",
+        {"preset": "stress", "agents": 24, "rate": 0.5, "shared_prefix_tokens": 1000},
+        None,
+    ),
+    (
+        "cpu stress 32 agents at 1/s, 600-token contexts",
+        "cpu-measured",
+        {"preset": "stress", "agents": 32, "rate": 1.0, "context_tokens": 600},
+        None,
+    ),
+    ("cpu headroom 8 agents", "cpu-measured", {"preset": "headroom", "agents": 8}, None),
+    (
+        "h200 stress 64 agents, 16k contexts",
+        "h200-llama3-8b",
+        {"preset": "stress", "agents": 64, "turns": 10, "context_tokens": 16000, "rate": 2.0},
+        None,
+    ),
+)
+
+#: The first version's weighting: requests aged 1 s per second, app age 0.1 up to 100 s.
+ABLATION = SpatialWeights(aging=1.0, app_age=0.1, max_app_age_s=100.0)
+
+
+def _run(trace: Any, profile: Any, weights: SpatialWeights | None, host: int | None) -> Any:
+    """``tokencake`` with ``weights`` (None: the shipped ones) on the engine's spatial queue."""
+    if weights is None:
+        return simulate(trace, profile, SYSTEMS["tokencake"], host_blocks=host)
+    original = sim_engine.SpatialScorer
+    sim_engine.SpatialScorer = lambda: SpatialScorer(weights)  # type: ignore[assignment,misc]
+    try:
+        return simulate(trace, profile, replace(SYSTEMS["tokencake"], name="ablation"), host_blocks=host)
+    finally:
+        sim_engine.SpatialScorer = original  # type: ignore[misc]
+
+
+def _row(r: Any) -> dict[str, float]:
+    return {
+        "e2e_mean_s": r.e2e_mean_s,
+        "queue_wait_critical_mean_s": r.queue_wait_critical_mean_s,
+        "queue_wait_noncritical_mean_s": r.queue_wait_noncritical_mean_s,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("sim-spatial.json"))
+    ap.add_argument("--seeds", type=int, default=2, help="seeds per mix (default 2)")
+    args = ap.parse_args()
+    started = time.perf_counter()
+    rows = []
+    for label, profile_name, kw, host in MIXES:
+        profile = get_profile(profile_name)
+        for seed in range(args.seeds):
+            trace = generate(seed=seed, **kw)
+            off = simulate(trace, profile, SYSTEMS["spatial-off"], host_blocks=host)
+            on = _run(trace, profile, None, host)
+            old = _run(trace, profile, ABLATION, host)
+            row = {
+                "mix": label,
+                "seed": seed,
+                "systems": {"spatial-off": _row(off), "tokencake": _row(on), "ablation": _row(old)},
+                "tokencake/spatial-off": on.e2e_mean_s / off.e2e_mean_s,
+                "ablation/spatial-off": old.e2e_mean_s / off.e2e_mean_s,
+                "critical_wait_tokencake/spatial-off": _ratio(
+                    on.queue_wait_critical_mean_s, off.queue_wait_critical_mean_s
+                ),
+            }
+            rows.append(row)
+            print(
+                f"{label} s{seed}: tokencake/spatial-off {row['tokencake/spatial-off']:.3f} "
+                f"(ablation {row['ablation/spatial-off']:.3f}), critical wait "
+                f"{on.queue_wait_critical_mean_s:.1f} vs {off.queue_wait_critical_mean_s:.1f} s",
+                flush=True,
+            )
+    ratios = [r["tokencake/spatial-off"] for r in rows]
+    old = [r["ablation/spatial-off"] for r in rows]
+    key = "critical_wait_tokencake/spatial-off"
+    waits = [r[key] for r in rows if r[key]]
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=False
+    ).stdout.strip()
+    dirty = bool(
+        subprocess.run(
+            ["git", "status", "--porcelain", "tokencake"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent.parent,
+            check=False,
+        ).stdout.strip()
+    )
+    doc = {
+        "versions": {"git_commit": commit, "git_dirty": dirty},
+        "weights": SpatialWeights().__dict__,
+        "ablation_weights": ABLATION.__dict__,
+        "rows": rows,
+        "summary": {
+            "n": len(rows),
+            "tokencake/spatial-off": _spread(ratios),
+            "ablation/spatial-off": _spread(old),
+            "critical_wait_tokencake/spatial-off": _spread(waits),
+            "tokencake_not_worse_than_1.05": sum(r <= 1.05 for r in ratios),
+        },
+        "wall_s": time.perf_counter() - started,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc["summary"], indent=2))
+    return 0
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b and b == b and a == a else None
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "min": min(values),
+        "max": max(values),
+        "geomean": statistics.geometric_mean(values),
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
