@@ -8,7 +8,7 @@ requests 4× faster and counted at most 10 s of app age (``--ablation``, the fir
 Mixes vary agent count, arrival rate, context length, shared prefixes, host pool size and the
 hardware profile (CPU-measured and the H200 model); none is tuned for.
 
-    python benchmarks/spatial_sim.py --out docs/bench/sim-spatial.json    # ~3 min on 2 cores
+    python benchmarks/spatial_sim.py --out docs/bench/sim-spatial.json    # ~1.5 min on 2 cores
 
 Writes per mix and seed: mean app E2E and mean queue wait of critical-path and other requests for
 each system, and the ratios ``tokencake / spatial-off``. The simulator models the admission order

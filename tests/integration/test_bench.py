@@ -35,14 +35,16 @@ def test_bench_ci_sized_run_writes_valid_results(
     assert config.server.device_blocks == baseline_server.num_gpu_blocks == tokencake_server.num_gpu_blocks
 
     @contextmanager
-    def server_cls(**kwargs: Any) -> Iterator[Server]:
+    def server_cls(*, scheduler_cls: str | None = None, **kwargs: Any) -> Iterator[Server]:
         blocks = kwargs["num_gpu_blocks"]
         if kwargs["baseline"] and blocks == baseline_server.num_gpu_blocks:
             yield baseline_server
         elif not kwargs["baseline"] and blocks == tokencake_server.num_gpu_blocks:
+            # The bench's tokencake is the session server as started: the spatial scheduler on.
+            assert scheduler_cls == tokencake_server.scheduler_cls is not None
             yield tokencake_server
         else:
-            with Server(**kwargs) as server:  # the ideal: a large device KV of its own
+            with Server(scheduler_cls=scheduler_cls, **kwargs) as server:  # the ideal: its own large KV
                 yield server
 
     out = tmp_path / "bench"
