@@ -104,6 +104,16 @@ def test_tokencake_loads_the_spatial_scheduler_and_spatial_off_does_not():
         off = server_kwargs(resolve_systems([name])[0], ServerConfig(), Server)
         assert "scheduler_cls" in off and off["scheduler_cls"] is None, name
 
+    # The spatial ablations: the same scheduler, one connector key each.
+    for name, key, value in (
+        ("spatial-order", "critical_last", False),
+        ("reserve-off", "critical_reserve_frac", 0.0),
+    ):
+        ablation = resolve_systems([name])[0]
+        kw = server_kwargs(ablation, ServerConfig(), Server)
+        assert kw["scheduler_cls"] == SPATIAL_SCHEDULER, name
+        assert ablation.connector == {key: value} and ablation.to_dict()["connector"] == {key: value}
+
     class NoScheduler:
         def __init__(self, model=None, *, baseline=False, num_gpu_blocks=None, policy=None):
             pass

@@ -400,6 +400,9 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("spatial-off", "offload-all"),
     ("spatial-off", "continuum"),
     ("spatial-off", "infercept"),
+    ("spatial-order", "spatial-off"),
+    ("reserve-off", "spatial-off"),
+    ("tokencake", "reserve-off"),
     # Two replicas behind a router (issue 15): session affinity against round robin.
     ("replicas-affinity", "replicas-round-robin"),
 )

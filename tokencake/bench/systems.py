@@ -26,6 +26,9 @@ state.
 ``continuum``       extension with the ``continuum`` policy: device pin for a TTL from the tool-time CDF
 ``infercept``       extension with the ``infercept`` policy: preserve / swap / discard by memory waste
 ``stock-connector`` extension loaded with the ``stock`` policy (decides nothing): the connector's own cost
+``spatial-order``   ``tokencake`` with the spatial admission order only (connector ``critical_last=false``:
+                    no critical-last eviction order, no critical reserve): the spatial ablation's half
+``reserve-off``     ``tokencake`` without the critical reserve (``critical_reserve_frac=0``)
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
 ``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
@@ -179,6 +182,22 @@ SYSTEMS: dict[str, SystemSpec] = {
         flags=dict(_ALL_ON),
         policy="stock",
         description="extension loaded with the stock policy (decides nothing): the connector's own cost",
+    ),
+    "spatial-order": SystemSpec(
+        "spatial-order",
+        stock=False,
+        flags=dict(_ALL_ON),
+        connector={"critical_last": False},
+        scheduler=SPATIAL_SCHEDULER,
+        description="tokencake with the spatial admission order only (no critical-last eviction, no reserve)",
+    ),
+    "reserve-off": SystemSpec(
+        "reserve-off",
+        stock=False,
+        flags=dict(_ALL_ON),
+        connector={"critical_reserve_frac": 0.0},
+        scheduler=SPATIAL_SCHEDULER,
+        description="tokencake without the critical reserve (critical_reserve_frac=0)",
     ),
     "hold-off": SystemSpec(
         "hold-off",

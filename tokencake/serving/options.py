@@ -46,6 +46,9 @@ class Options:
     #: requests waiting for admission need (whichever is larger).
     prefetch_reserve_blocks: int = 0
     prefetch_reserve_frac: float = 0.05
+    #: With the spatial scheduler on: critical-path sessions' idle chains are evicted last and their
+    #: held chains are a reserve (below). False keeps only the spatial admission order (ablation).
+    critical_last: bool = True
     #: With the spatial scheduler on (``SchedulerSide.critical_last``): device blocks held for
     #: critical-path sessions (their kept or prefetched chains, soonest return first) that a
     #: non-critical or plain admission may not take, at most this share of the device blocks...

@@ -126,6 +126,17 @@ def test_the_kv_policy_chooses_the_admission_order() -> None:
         assert side.critical_last  # critical-path sessions' idle chains are now evicted last
         return sched.waiting
 
+    # critical_last=false (the ``spatial-order`` ablation): the order is swapped, the eviction
+    # order and the critical reserve stay off.
+    from tokencake.serving.options import Options
+
+    side = SimpleNamespace(
+        policy=make_policy("tokencake"), holds_kv=lambda session: False, opts=Options(critical_last=False)
+    )
+    sched = SimpleNamespace(connector=SimpleNamespace(sched=side), waiting=FCFSRequestQueue())
+    spatial._swap_waiting_queue(sched)
+    assert isinstance(sched.waiting, ScoredRequestQueue) and side.critical_last is False
+
     now = 1000.0
     for policy, order in (("tokencake", ["c", "a"]), ("continuum", ["a", "c"])):
         q = swapped(policy)

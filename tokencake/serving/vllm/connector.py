@@ -131,7 +131,15 @@ def _timed(hook: Callable[..., Any]) -> Callable[..., Any]:
 def _options(extra: dict[str, Any]) -> Options:
     """Policy knobs from ``kv_connector_extra_config``; a bad value keeps the default (logged)."""
     opts = Options()
-    for name in ("offload", "prefetch", "demand_load", "early_save", "demote", "hold_prefetched"):
+    for name in (
+        "offload",
+        "prefetch",
+        "demand_load",
+        "early_save",
+        "demote",
+        "hold_prefetched",
+        "critical_last",
+    ):
         setattr(opts, name, _extra_bool(extra, name, getattr(opts, name)))
     policy = str(extra.get("policy") or DEFAULT_POLICY).strip().lower()
     if policy in POLICY_NAMES:

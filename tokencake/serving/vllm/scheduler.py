@@ -149,7 +149,9 @@ def _swap_waiting_queue(scheduler: Any) -> None:
     queue.prepend_requests(list(scheduler.waiting))
     scheduler.waiting = queue
     if side is not None:
-        side.critical_last = True  # eviction order: critical-path sessions' idle chains go last
+        # Eviction order: critical-path sessions' idle chains go last, their held ones a reserve
+        # (unless the deployment keeps only the admission order: ``critical_last=false``).
+        side.critical_last = bool(getattr(getattr(side, "opts", None), "critical_last", True))
     log.info("TokenCake spatial scheduler on: waiting requests by %s order", admission or "spatial")
 
 
