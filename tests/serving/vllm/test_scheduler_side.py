@@ -1529,3 +1529,36 @@ def test_stalls_are_derived_from_requests_when_the_client_sends_no_events(
     # A client that sends events gets no derived stall.
     finish_turn(side, pool, chain("w", 2), "r3", session="run:W", next_tool=4.0)
     assert side.stats.counter("events.derived_begin") == 1
+
+
+def test_recomputed_next_turn_blocks_say_why(pool: BlockPool, clock: Clock) -> None:
+    """A resumed session's recomputed prefix blocks are counted by cause: the stall said "no
+    pressure" and was never saved; or it was saved and the host copy dropped since."""
+
+    def resume(side: SchedulerSide, hashes: list[bytes], rid: str) -> None:
+        side.handle_event(end())
+        side.build_meta()
+        req = request(rid, [*hashes, *chain(rid, 1)], (len(hashes) + 1) * BS + 1)
+        side.on_new_request(req)
+        assert side.get_num_new_matched_tokens(req, 0) == 0
+        side.update_state_after_alloc(req, [], 0)
+
+    side = make_side(pool, clock, prefetch=False, early_save=False)
+    side.gate.usage_threshold = 0.99  # an idle engine: no pressure
+    side.max_step_tokens = BS
+    hashes = chain("np", 2)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin(predicted=10.0))
+    side.build_meta()
+    assert side.stats.counter("stalls.decision.no_pressure") == 1
+    evict_all(pool)
+    resume(side, hashes, "r2")
+    assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 2 * BS
+    assert side.stats.counter("next_turn.recomputed_why.not_saved.no_pressure") == 2
+
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("hd", 2)
+    offloaded_then_evicted(side, pool, hashes)
+    side.host.reset()  # e.g. /reset_prefix_cache: every host copy invalidated
+    resume(side, hashes, "r3")
+    assert side.stats.counter("next_turn.recomputed_why.host_dropped") == 2

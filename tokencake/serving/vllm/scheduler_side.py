@@ -157,6 +157,9 @@ class _Stall:
     evict_first: bool = True
     #: The session's last request was on its app's critical path: among demoted chains, evicted last.
     critical: bool = False
+    #: How much of the chain was still on device or host when the stall was first decided (None:
+    #: not decided yet): what was lost before then no decision could have saved.
+    chain_at_decision: int | None = None
 
     @property
     def returns_at(self) -> float:
@@ -1139,6 +1142,27 @@ class SchedulerSide:
         room = bp.num_free(pool) - own_idle - max(self._reserve_blocks(), queued) + yieldable
         return room >= missing
 
+    def _count_recomputed(self, stall: _Stall, request: Request, first: int, end: int) -> None:
+        """Why the blocks ``first..end`` of a resumed session's repeated prefix were recomputed
+        (``next_turn.recomputed_why.<cause>``, in blocks): ``lost_before_decision`` (evicted from
+        device before the stall was first decided, never on host), ``not_saved.<reason>`` (the stall
+        was not offloaded for that reason), ``host_dropped`` (offloaded, the host copy gone since:
+        reclaimed or preempted), ``on_host`` (a host copy exists but was not served: the chain broke
+        before it), ``not_asked`` (the stall was never decided)."""
+        hashes = list(request.block_hashes)
+        for i in range(first, end):
+            if self.host.lookup(bytes(hashes[i])) is not None:
+                why = "on_host"
+            elif stall.chain_at_decision is None:
+                why = "not_asked"
+            elif i >= stall.chain_at_decision:
+                why = "lost_before_decision"
+            elif not stall.offloaded:
+                why = f"not_saved.{stall.decision}"
+            else:
+                why = "host_dropped"
+            self.stats.inc(f"next_turn.recomputed_why.{why}")
+
     def _account_next_turn(self, request: Request, local: int, external: int) -> bool:
         """Readiness, prefetch outcome and recomputed prefix tokens for a session's next turn.
 
@@ -1168,6 +1192,8 @@ class SchedulerSide:
         self.stats.inc("next_turn.prefix_tokens_host", served - device)
         self.stats.inc("next_turn.prefix_tokens_recomputed", chain_tokens - served)
         self.stats.set("next_turn.last_recomputed", chain_tokens - served)
+        if served < chain_tokens:
+            self._count_recomputed(stall, request, served // self.block_size, common)
         self.stats.set("next_turn.last_device", device)
         self.stats.set("next_turn.last_host", served - device)
         # Readiness: were the blocks on device (or being copied there) when the request came? Only
@@ -1436,6 +1462,8 @@ class SchedulerSide:
         if plan.action == "offload" and not self.opts.offload:
             plan = Plan("none", "disabled")
         first = stall.decision is None
+        if first:
+            stall.chain_at_decision = len(chain)
         if not first and plan.reason == "no_blocks":
             # The blocks were evicted while we waited for pressure or room: keep the reason we were
             # waiting for (that is why nothing was offloaded) and stop asking.
