@@ -46,6 +46,7 @@ def test_plain_requests_rank_between_and_keep_first_come_first_served() -> None:
 
 def test_waiting_outranks_a_newer_more_urgent_request() -> None:
     s = SpatialScorer()
+    s.app_started("run", now=-150.0)  # one app, started before both requests arrived
     old, new = meta(slack=10.0), meta(critical=True)
     # The old one's slack and the critical path's head start, in seconds of waiting.
     head = (10.0 + s.weights.critical_s) / s.weights.aging
@@ -87,7 +88,22 @@ def test_the_app_that_started_first_goes_first() -> None:
     )
     s.app_started("ancient", now=-10_000.0)
     capped = s.order_key(meta(slack=5.0, run="ancient"), arrival=100.0, preemptions=0, now=100.0)
-    assert capped == pytest.approx(5.0 - w.app_age * w.max_app_age_s + w.aging * 100.0)
+    # An app counts as started at most max_app_age_s before the request arrived.
+    assert capped == pytest.approx(5.0 + w.app_age * (100.0 - w.max_app_age_s) + w.aging * 100.0)
+
+
+def test_requests_of_one_app_are_first_come_first_served() -> None:
+    """Keyed when queued, seconds apart: the app's age must not favour the later request (a key
+    that took the app's age at queueing time made the order last come, first served)."""
+    s = SpatialScorer()
+    s.app_started("app", now=0.0)
+    m = meta(slack=5.0, run="app")
+    first = s.order_key(m, arrival=10.0, preemptions=0, now=10.0)
+    second = s.order_key(m, arrival=40.0, preemptions=0, now=40.0)
+    assert first < second
+    # And a younger app's request queued later still goes after the older app's.
+    s.app_started("young", now=20.0)
+    assert first < s.order_key(meta(slack=5.0, run="young"), arrival=40.0, preemptions=0, now=40.0)
 
 
 def test_preemptions_and_app_age_move_a_request_ahead() -> None:
@@ -99,7 +115,9 @@ def test_preemptions_and_app_age_move_a_request_ahead() -> None:
     first.app_started("early", now=0.0)
     first.app_started("late", now=90.0)
     early, late = meta(slack=5.0, run="early"), meta(slack=5.0, run="late")
-    assert first.base(early, now=100.0) < first.base(late, now=100.0)
+    assert first.score(early, waited_s=0.0, preemptions=0, now=100.0) < first.score(
+        late, waited_s=0.0, preemptions=0, now=100.0
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -157,10 +175,16 @@ def test_the_order_key_sorts_as_the_scores_do_later() -> None:
         (None, 3.0, 1),
         (meta(slack=2.0), 5.0, 0),
     ]
-    keys = [s.order_key(m, arrival=a, preemptions=p, now=10.0) for m, a, p in reqs]
+    s.app_started("x", now=0.0)
+    s.app_started("y", now=4.0)
+    reqs = [*reqs, (meta(slack=10.0, run="x"), 2.0, 0), (meta(slack=10.0, run="y"), 9.0, 0)]
+    # Each keyed when it arrived (queued then), compared later: the keys' order is the scores'.
+    keys = [s.order_key(m, arrival=a, preemptions=p, now=a) for m, a, p in reqs]
     for now in (10.0, 50.0, 500.0):
-        scores = [s.score(m, waited_s=now - a, preemptions=p, now=10.0) for m, a, p in reqs]
-        assert sorted(range(4), key=keys.__getitem__) == sorted(range(4), key=scores.__getitem__)
+        scores = [s.score(m, waited_s=now - a, preemptions=p, now=now) for m, a, p in reqs]
+        assert sorted(range(len(reqs)), key=keys.__getitem__) == sorted(
+            range(len(reqs)), key=scores.__getitem__
+        )
 
 
 def test_weights_are_checked_and_apps_bounded() -> None:
@@ -172,7 +196,7 @@ def test_weights_are_checked_and_apps_bounded() -> None:
     for i, run in enumerate(("a", "b", "c")):
         s.app_started(run, now=float(i))
     assert s.app_started("a", now=10.0) == 10.0  # "a" was dropped (LRU), seen anew
-    assert SpatialScorer().max_overtake_s() == pytest.approx(1880.0)
+    assert SpatialScorer().max_overtake_s() == pytest.approx(376.0)
 
 
 def test_continuums_order_is_first_come_first_served_with_retained_programs_first() -> None:

@@ -15,16 +15,23 @@ A score is in seconds of slack; lower is admitted first::
           = min(slack / importance, max_slack_s)            an agent request; slack = 0 on the
             − critical_s if the node is on the critical path             critical path, else the
             − per_remaining_depth_s × min(remaining_depth, max_depth)    node's slack
-            − app_age × min(app elapsed, max_app_age_s)
-    score = base − aging × waited − per_preemption_s × min(preemptions, max_preemptions)
+    score = base − app_age × (now − app start) − aging × waited
+            − per_preemption_s × min(preemptions, max_preemptions)
             − retained_s if the session's KV is held on device for it (a keep or a prefetched chain)
 
+The app start is when the scorer first saw the app, but never more than ``max_app_age_s`` before the
+request arrived (an app is "old" by at most that much); a plain request is a one-request app that
+started when it arrived. Every request's score falls at the same rate (``app_age + aging`` per
+second), so the order never changes while requests wait: the queue keeps them in a heap by
+:meth:`SpatialScorer.order_key` (the score plus that drift), computed once when a request is queued.
+
 Ties go to the earlier arrival, then the request id. Plain requests all have the same base, so
-among themselves they stay first come, first served. Every term of ``base`` is bounded, so a request
-that has waited ``(max_base − min_base) / aging`` seconds outranks any newcomer:
-:meth:`SpatialScorer.max_overtake_s` is that bound (the starvation guarantee: with the defaults a
-request is overtaken by later arrivals for at most 1,880 s of waiting, a bound only a sustained
-overload by apps older than five minutes comes near).
+among themselves they stay first come, first served; requests of one app too. Every term but the
+ages is bounded, and the app's head start over its request's arrival is at most ``max_app_age_s``,
+so a request that has waited ``(max_base − min_base + app_age × max_app_age_s) / (aging + app_age)``
+seconds longer than a newcomer ranks ahead of it: :meth:`SpatialScorer.max_overtake_s` is that bound
+(the starvation guarantee: 376 s with the defaults, reached only by a newcomer of an app more than
+five minutes older under sustained overload).
 
 The weights, and why (``docs/policy.md`` §7 has the measurements):
 
@@ -78,7 +85,8 @@ class SpatialWeights:
     per_remaining_depth_s: float = 0.5
     max_depth: int = 20
     #: Of the app's elapsed time (since its first request here), this share counts as slack spent,
-    #: up to ``max_app_age_s``: the app that started first finishes first (first come first served
+    #: the app's start taken at most ``max_app_age_s`` before the request's arrival: the app that
+    #: started first finishes first (first come first served
     #: by app, not by request: the mean app E2E of a job-level FCFS, not a processor sharing).
     app_age: float = 1.0
     max_app_age_s: float = 300.0
@@ -145,8 +153,8 @@ class SpatialScorer:
     max_apps: int = 4096
     _app_start: OrderedDict[str, float] = field(default_factory=OrderedDict, init=False, repr=False)
 
-    def base(self, meta: RequestMeta | None, now: float) -> float:
-        """The part of the score that does not age (DAG position, importance, app age)."""
+    def base(self, meta: RequestMeta | None) -> float:
+        """The part of the score fixed by the request itself (DAG position, importance)."""
         w = self.weights
         if meta is None:
             return w.plain_slack_s
@@ -156,14 +164,31 @@ class SpatialScorer:
         else:
             slack = min(max(graph.slack_s, 0.0) / max(meta.importance, 1e-3), w.max_slack_s)
         depth = min(max(graph.remaining_depth, 0), w.max_depth)
-        started = self.app_started(meta.run_id, now)
-        age = min(max(now - started, 0.0), w.max_app_age_s)
-        return slack - w.per_remaining_depth_s * depth - w.app_age * age
+        return slack - w.per_remaining_depth_s * depth
 
-    def score(self, meta: RequestMeta | None, *, waited_s: float, preemptions: int, now: float) -> float:
+    def app_start(self, meta: RequestMeta | None, *, arrival: float, now: float) -> float:
+        """When the request's app counts as started: first seen here, at most ``max_app_age_s``
+        before the request arrived (a plain request is a one-request app: its arrival)."""
+        if meta is None:
+            return arrival
+        started = self.app_started(meta.run_id, now)
+        return min(max(started, arrival - self.weights.max_app_age_s), arrival)
+
+    def score(
+        self,
+        meta: RequestMeta | None,
+        *,
+        waited_s: float,
+        preemptions: int,
+        now: float,
+        retained: bool = False,
+    ) -> float:
+        """The score at ``now`` of a request that has waited ``waited_s`` (see the module)."""
         w = self.weights
-        aged = w.aging * max(waited_s, 0.0)
-        return self.base(meta, now) - aged - w.per_preemption_s * min(max(preemptions, 0), w.max_preemptions)
+        key = self.order_key(
+            meta, arrival=now - max(waited_s, 0.0), preemptions=preemptions, now=now, retained=retained
+        )
+        return key - (w.aging + w.app_age) * now
 
     def app_started(self, run_id: str, now: float) -> float:
         """When a request of app ``run_id`` was first scored here (LRU-bounded to ``max_apps``)."""
@@ -183,11 +208,10 @@ class SpatialScorer:
         lowest = -(
             w.critical_s
             + w.per_remaining_depth_s * w.max_depth
-            + w.app_age * w.max_app_age_s
             + w.per_preemption_s * w.max_preemptions  # a preempted request re-enters the queue
             + w.retained_s
         )
-        return (highest - lowest) / w.aging
+        return (highest - lowest + w.app_age * w.max_app_age_s) / (w.aging + w.app_age)
 
     def order_key(
         self,
@@ -200,11 +224,13 @@ class SpatialScorer:
     ) -> float:
         """A key that sorts requests as their scores do at any later time.
 
-        ``score(t) = base − aging × (t − arrival) − preemption term``, so
-        ``score(t) + aging × t`` does not depend on ``t``: a queue can keep requests in a heap by
-        this key and still age them (the app-age term is taken when the request is queued).
+        ``score(t) = key − (aging + app_age) × t`` for every request, so a queue can keep requests
+        in a heap by this key and still age them. (The app start enters as an absolute time: a
+        key that took the app's age when the request was queued would rank a later request of the
+        same app ahead of an earlier one — last come, first served within an app.)
         """
         w = self.weights
         bonus = w.per_preemption_s * min(max(preemptions, 0), w.max_preemptions)
         bonus += w.retained_s if retained else 0.0
-        return self.base(meta, now) + w.aging * arrival - bonus
+        start = self.app_start(meta, arrival=arrival, now=now)
+        return self.base(meta) + w.app_age * start + w.aging * arrival - bonus

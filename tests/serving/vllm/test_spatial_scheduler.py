@@ -108,7 +108,9 @@ def test_a_request_whose_session_kv_is_held_is_admitted_first() -> None:
     q = ScoredRequestQueue(clock=lambda: now, retained=held.__contains__)
     q.add_request(req("a", now - 3, slack=4.0))
     q.add_request(req("b", now, slack=4.0))  # newer, but its prefetched chain waits on device
-    q.add_request(req("p", now - 9, plain=True))
+    # A plain request is a one-request app: 5 s older than the agents' app, it still goes after
+    # the held session (its 10 s of credit), before the agent request of the younger app.
+    q.add_request(req("p", now - 5, plain=True))
     assert drain(q) == ["b", "p", "a"]
 
 
