@@ -36,10 +36,11 @@ def test_at_finish_only_an_announced_tool_call_is_saved(make_view) -> None:
     assert p.on_finished(make_view(at_finish=True)).action == "offload"
 
 
-def test_no_pressure_yet_saves_at_finish_into_free_host_slots_only(make_view) -> None:
-    """At request_finished with no pressure yet, free host slots make the save displace nobody:
-    save now rather than race the blocks' eviction later. During the stall, and when the save
-    would have to reclaim other sessions' copies, "no pressure" stays a retryable no."""
+def test_no_pressure_yet_saves_an_announced_stall_at_finish_where_the_host_has_room(make_view) -> None:
+    """At request_finished with no pressure yet, save now rather than race the blocks' eviction
+    later, into any room a save under pressure could take: free slots, unheld copies (LRU), copies
+    of stalls returning later. During the stall, and when the host has no such room, "no pressure"
+    stays a retryable no."""
     p = policy()
     calm = {"device_usage": 0.1}
     plan = p.on_finished(make_view(at_finish=True, gate=calm))
@@ -50,11 +51,20 @@ def test_no_pressure_yet_saves_at_finish_into_free_host_slots_only(make_view) ->
         True,
     )
     assert p.on_stall(make_view(gate=calm)).reason == "no_pressure"
-    reclaim_only = {**calm, "host_free_blocks": 5, "host_reclaimable_blocks": 500}
-    plan = p.on_finished(make_view(at_finish=True, gate=reclaim_only))
+    full = {**calm, "host_free_blocks": 5, "host_reclaimable_blocks": 0, "host_preemptible_blocks": 0}
+    plan = p.on_finished(make_view(at_finish=True, gate=full))
     assert (plan.action, plan.reason, plan.retry) == ("none", "no_pressure", True)
-    # Only the blocks not on host yet need free slots.
-    plan = p.on_finished(make_view(at_finish=True, gate={**reclaim_only, "num_on_host": 6}))
+    # Unheld copies and the copies of later returns count as room, as under pressure.
+    assert (
+        p.on_finished(make_view(at_finish=True, gate={**full, "host_reclaimable_blocks": 500})).reason
+        == "spare_room"
+    )
+    assert (
+        p.on_finished(make_view(at_finish=True, gate={**full, "host_preemptible_blocks": 500})).reason
+        == "spare_room"
+    )
+    # Only the blocks not on host yet need room.
+    plan = p.on_finished(make_view(at_finish=True, gate={**full, "num_on_host": 6}))
     assert plan.reason == "spare_room"
     # Too short for the round trip: nothing to insure.
     assert p.on_finished(make_view(at_finish=True, gate={**calm, "predicted_s": 0.01})).action == "none"

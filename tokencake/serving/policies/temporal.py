@@ -4,7 +4,7 @@ The gate (``tokencake/serving/gate.py``) checks time (the stall leaves room for 
 need (the session's own blocks are at risk of eviction, or requests wait) and host room. Saves
 start at ``request_finished`` when the request announced its tool call (so the save never races the
 blocks' eviction) — there also when the only objection is "no pressure yet" and the host pool has
-free slots for the chain (``spare_room``: a save into free slots displaces nobody) — the upload is
+room for the chain (``spare_room``: free slots, unheld copies, or those of later returns) — the upload is
 predictive (before the tool returns, ``PrefetchPlanner``) and the device copies are the first to be
 evicted once the host copy is confirmed. When the host pool is full, a save may take the host
 copies of stalled sessions predicted to return later than its own (``preempts_host``, the tail of
@@ -35,13 +35,18 @@ class TokenCakePolicy(EventPolicy):
             and self._spare_room(view, decision.blocks_to_copy)
         ):
             # No pressure *yet*: pressure that builds while the tool runs may evict the blocks
-            # before the stall is asked again, and the tail is then recomputed. Free host slots
-            # make the save displace nobody, so save now (a tiered cache's insurance) and keep the
-            # gate's pressure test for saves that would reclaim other sessions' copies.
+            # before the stall is asked again, and the tail is then recomputed. An announced
+            # stall's chain is about to be needed again, so it may take what a save under pressure
+            # could take: free slots, copies nobody holds (LRU), and the copies of stalls predicted
+            # to return later — never a copy that another session needs sooner.
             return Plan("offload", "spare_room", prefetch="predictive", evict_first=True)
         return Plan("none", decision.reason, retry=decision.retryable)
 
     @staticmethod
     def _spare_room(view: PolicyView, to_copy: int) -> bool:
-        """Free (never reclaimed) host slots for every block not on host yet."""
-        return 0 < to_copy <= max(int(view.gate.host_free_blocks), 0)
+        """Host room for every block not on host yet (the gate's room rule)."""
+        g = view.gate
+        room = (
+            max(g.host_free_blocks, 0) + max(g.host_reclaimable_blocks, 0) + max(g.host_preemptible_blocks, 0)
+        )
+        return 0 < to_copy <= room
