@@ -3,8 +3,8 @@
 Issue 12's GPU-scale view and the evidence behind the score's weights (``docs/policy.md`` §7):
 every mix below is simulated with the bench's ``spatial-off`` (TokenCake's KV policy under vLLM's
 priority scheduler) and ``tokencake`` (the same policy with the spatial scheduler's admission
-order), twice per seed — once with the shipped weights, once with an earlier weighting that aged
-requests 4× faster and counted at most 10 s of app age (``--ablation``, the first version's).
+order), twice per seed — once with the shipped weights, once with the weighting before them
+(requests aged 5× faster, app age 10× as heavy: first come first served by app; ``ablation``).
 Mixes vary agent count, arrival rate, context length, shared prefixes, host pool size and the
 hardware profile (CPU-measured and the H200 model); none is tuned for.
 
@@ -58,8 +58,9 @@ MIXES: tuple[tuple[str, str, dict[str, Any], int | None], ...] = (
     ),
 )
 
-#: The first version's weighting: requests aged 1 s per second, app age 0.1 up to 100 s.
-ABLATION = SpatialWeights(aging=1.0, app_age=0.1, max_app_age_s=100.0)
+#: The weighting before: first come first served by app across classes (aging 0.25 s/s, app age
+#: 1 s/s up to 300 s).
+ABLATION = SpatialWeights(aging=0.25, app_age=1.0, max_app_age_s=300.0)
 
 
 def _run(trace: Any, profile: Any, weights: SpatialWeights | None, host: int | None) -> Any:

@@ -45,8 +45,7 @@ def test_plain_requests_rank_between_and_keep_first_come_first_served() -> None:
 
 
 def test_waiting_outranks_a_newer_more_urgent_request() -> None:
-    s = SpatialScorer()
-    s.app_started("run", now=-150.0)  # one app, started before both requests arrived
+    s = SpatialScorer(SpatialWeights(app_age=0.0))  # waiting alone (the app's age is another test)
     old, new = meta(slack=10.0), meta(critical=True)
     # The old one's slack and the critical path's head start, in seconds of waiting.
     head = (10.0 + s.weights.critical_s) / s.weights.aging
@@ -196,7 +195,7 @@ def test_weights_are_checked_and_apps_bounded() -> None:
     for i, run in enumerate(("a", "b", "c")):
         s.app_started(run, now=float(i))
     assert s.app_started("a", now=10.0) == 10.0  # "a" was dropped (LRU), seen anew
-    assert SpatialScorer().max_overtake_s() == pytest.approx(376.0)
+    assert SpatialScorer().max_overtake_s() == pytest.approx(4000.0 / 3.0)
 
 
 def test_continuums_order_is_first_come_first_served_with_retained_programs_first() -> None:

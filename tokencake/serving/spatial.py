@@ -30,17 +30,21 @@ among themselves they stay first come, first served; requests of one app too. Ev
 ages is bounded, and the app's head start over its request's arrival is at most ``max_app_age_s``,
 so a request that has waited ``(max_base − min_base + app_age × max_app_age_s) / (aging + app_age)``
 seconds longer than a newcomer ranks ahead of it: :meth:`SpatialScorer.max_overtake_s` is that bound
-(the starvation guarantee: 376 s with the defaults, reached only by a newcomer of an app more than
-five minutes older under sustained overload).
+(the starvation guarantee: 1,333 s with the defaults).
 
 The weights, and why (``docs/policy.md`` §7 has the measurements):
 
-* ``app_age`` (1 s per second of the app's age, up to 300 s) against ``aging`` (0.25 s per
-  second of waiting): the order is first come first served **by app**. When the queue waits for
-  minutes, an order that ages requests fast becomes first come first served by request, which
-  interleaves every app's requests and finishes all of them late (in the simulator 1.2–1.6 × the
-  mean app E2E of vLLM's priority order under overload); by app, the earliest app finishes first
-  (0.84–1.04 × over 14 simulated mixes, ``docs/simulation.md``).
+* ``aging`` (0.05 s per second of waiting) is slow: the critical path's head start lasts 800 s of
+  waiting, so under overload the order stays vLLM's priority order (critical path first, then by
+  slack) for as long as such overloads last, and is still bounded. Over 14 simulated overloaded
+  mixes (``benchmarks/spatial_sim.py``, ``docs/simulation.md`` §6.3) every faster aging lost to
+  vLLM's priority order on mean app E2E (0.25 s/s: 1.04 geometric mean, up to 1.30), because
+  non-critical requests that had waited a few minutes overtook the critical path.
+* ``app_age`` (0.1 s per second of the app's age, at most 300 s: 30 s of credit) orders requests
+  of one class by app, the app that started first first; it stays below ``critical_s`` so an older
+  app's non-critical request never outranks a younger app's critical path. With 1 s per second
+  (first come first served by app across classes) the critical path waited 1.2 × longer and the
+  mean app E2E was 1.06 × vLLM's order in the simulator (up to 1.41).
 * ``critical_s`` (40 s) is as large as the depth, preemption and retained-chain credits together
   (10 s each at most) and more than the slack of most non-critical nodes, so among requests of
   apps of similar age the critical path goes first, as under vLLM's priority scheduler. Without it
@@ -77,18 +81,16 @@ class SpatialWeights:
     #: A critical-path request's head start (seconds of waiting): as large as all the other credits a
     #: non-critical request can hold at once, so the critical path goes first, yet it is bounded.
     critical_s: float = 40.0
-    #: Seconds of slack one second of waiting cancels. Slow next to ``app_age``: under overload the
-    #: waits grow to minutes and a fast aging turned the order into first come first served by
-    #: request, which interleaves every app's requests and finishes them all late.
-    aging: float = 0.25
+    #: Seconds of slack one second of waiting cancels: slow, so the critical path's head start
+    #: outlasts minutes of overload (faster aging let waiting non-critical requests overtake it).
+    aging: float = 0.05
     #: Each node still to run after this one (the DAG's remaining depth) counts as this much less slack.
     per_remaining_depth_s: float = 0.5
     max_depth: int = 20
     #: Of the app's elapsed time (since its first request here), this share counts as slack spent,
-    #: the app's start taken at most ``max_app_age_s`` before the request's arrival: the app that
-    #: started first finishes first (first come first served
-    #: by app, not by request: the mean app E2E of a job-level FCFS, not a processor sharing).
-    app_age: float = 1.0
+    #: the app's start taken at most ``max_app_age_s`` before the request's arrival: within a class
+    #: the app that started first goes first; at most 30 s, below ``critical_s``.
+    app_age: float = 0.1
     max_app_age_s: float = 300.0
     #: Each time vLLM preempted the request (it lost its KV and work) it moves ahead this much.
     per_preemption_s: float = 2.0

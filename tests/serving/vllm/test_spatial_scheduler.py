@@ -65,7 +65,7 @@ def test_waiting_requests_come_out_by_score_then_arrival() -> None:
     q.add_request(req("plain-1", now - 2, plain=True))
     q.add_request(req("crit", now, critical=True))
     q.add_request(req("plain-2", now - 1, plain=True))
-    q.add_request(req("old", now - 500, slack=60.0))  # waited longer than its slack + the head start
+    q.add_request(req("old", now - 1000, slack=60.0))  # waited longer than its slack + the head start
     assert len(q) == 5 and q.peek_request().request_id == "old"
     assert [r.request_id for r in q] == ["old", "crit", "plain-1", "plain-2", "far"]  # iteration = order
     assert drain(q) == ["old", "crit", "plain-1", "plain-2", "far"]
@@ -78,7 +78,7 @@ def test_waiting_requests_come_out_by_score_then_arrival() -> None:
 def test_vllms_priority_queue_would_not_age() -> None:
     """The difference in one case: vLLM's heap keeps a long-waiting request behind a new one."""
     now = 1000.0
-    old, new = req("old", now - 500, slack=60.0), req("new", now, critical=True)
+    old, new = req("old", now - 1000, slack=60.0), req("new", now, critical=True)
     old.priority, new.priority = 60, 0  # what the SDK sends (slack in seconds; 0 = critical)
     heap = PriorityRequestQueue()
     scored = ScoredRequestQueue(clock=lambda: now)
@@ -108,9 +108,9 @@ def test_a_request_whose_session_kv_is_held_is_admitted_first() -> None:
     q = ScoredRequestQueue(clock=lambda: now, retained=held.__contains__)
     q.add_request(req("a", now - 3, slack=4.0))
     q.add_request(req("b", now, slack=4.0))  # newer, but its prefetched chain waits on device
-    # A plain request is a one-request app: 5 s older than the agents' app, it still goes after
+    # A plain request is a one-request app: 20 s older than the agents' app, it still goes after
     # the held session (its 10 s of credit), before the agent request of the younger app.
-    q.add_request(req("p", now - 5, plain=True))
+    q.add_request(req("p", now - 20, plain=True))
     assert drain(q) == ["b", "p", "a"]
 
 
