@@ -9,6 +9,7 @@ Mixes vary agent count, arrival rate, context length, shared prefixes, host pool
 hardware profile (CPU-measured and the H200 model); none is tuned for.
 
     python benchmarks/spatial_sim.py --out docs/bench/sim-spatial.json    # ~1.5 min on 2 cores
+    python benchmarks/spatial_sim.py --variants --out docs/bench/sim-spatial-variants.json  # ~3 min
 
 Writes per mix and seed: mean app E2E and mean queue wait of critical-path and other requests for
 each system, and the ratios ``tokencake / spatial-off``. The simulator models the admission order
@@ -63,6 +64,14 @@ MIXES: tuple[tuple[str, str, dict[str, Any], int | None], ...] = (
 ABLATION = SpatialWeights(aging=0.25, app_age=1.0, max_app_age_s=300.0)
 
 
+#: Other weightings, run with ``--variants``: what the shipped weights were chosen against.
+VARIANTS: dict[str, SpatialWeights] = {
+    "aging-0.25": SpatialWeights(aging=0.25, app_age=0.0),
+    "aging-0.05-no-app": SpatialWeights(aging=0.05, app_age=0.0),
+    "aging-0.05-app-0.05": SpatialWeights(aging=0.05, app_age=0.05),
+}
+
+
 def _run(trace: Any, profile: Any, weights: SpatialWeights | None, host: int | None) -> Any:
     """``tokencake`` with ``weights`` (None: the shipped ones) on the engine's spatial queue."""
     if weights is None:
@@ -87,7 +96,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("sim-spatial.json"))
     ap.add_argument("--seeds", type=int, default=2, help="seeds per mix (default 2)")
+    ap.add_argument("--variants", action="store_true", help="also run the weightings in VARIANTS")
     args = ap.parse_args()
+    variants = VARIANTS if args.variants else {}
     started = time.perf_counter()
     rows = []
     for label, profile_name, kw, host in MIXES:
@@ -107,6 +118,10 @@ def main() -> int:
                     on.queue_wait_critical_mean_s, off.queue_wait_critical_mean_s
                 ),
             }
+            for name, weights in variants.items():
+                other = _run(trace, profile, weights, host)
+                row["systems"][name] = _row(other)
+                row[f"{name}/spatial-off"] = other.e2e_mean_s / off.e2e_mean_s
             rows.append(row)
             print(
                 f"{label} s{seed}: tokencake/spatial-off {row['tokencake/spatial-off']:.3f} "
@@ -141,7 +156,9 @@ def main() -> int:
             "ablation/spatial-off": _spread(old),
             "critical_wait_tokencake/spatial-off": _spread(waits),
             "tokencake_not_worse_than_1.05": sum(r <= 1.05 for r in ratios),
+            **{f"{name}/spatial-off": _spread([r[f"{name}/spatial-off"] for r in rows]) for name in variants},
         },
+        "variant_weights": {name: w.__dict__ for name, w in variants.items()},
         "wall_s": time.perf_counter() - started,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
