@@ -738,18 +738,36 @@ def test_early_save_keeps_the_tail_that_eviction_would_take(pool: BlockPool, clo
     evict_all(pool)  # pressure before stall_begin reaches the engine: the pinned blocks survive
     assert all(bp.cached_block(pool, h) is not None for h in hashes)
     answer(side, meta)
+    # Committed before its stall began: held for the session, not the LRU's to reclaim meanwhile.
+    assert all(side.host.owners(side.host.lookup(h)) == {"finish:run:A"} for h in hashes)
+    assert side.host.num_reclaimable == 0
     evict_all(pool)
     side.handle_event(begin(predicted=10.0))
     side.build_meta()
     assert side.stats.counter("early_save.jobs") == 1
     assert side.stats.counter("stalls.decision.already_on_host") == 1
     assert all(side.host.lookup(h) is not None for h in hashes)  # the whole chain, tail included
+    assert all(side.host.owners(side.host.lookup(h)) == {"s1"} for h in hashes)  # the stall's now
     side.handle_event(end())
     side.build_meta()
     nxt = request("r2", [*hashes, *chain("n", 1)], 5 * BS + 1)
     side.on_new_request(nxt)
     assert side.get_num_new_matched_tokens(nxt, 0) == 4 * BS
     assert_no_pins(pool)
+
+
+def test_an_announced_stall_that_never_begins_releases_its_saved_copies(
+    pool: BlockPool, clock: Clock
+) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("w", 2)
+    finish_turn(side, pool, hashes, next_tool=10.0)
+    answer(side, side.build_meta())
+    assert side.host.num_reclaimable == 0
+    clock.t += side.opts.keep_after_end_s + 1.5  # no stall_begin (the agent answered instead)
+    side.build_meta()
+    assert side.host.num_reclaimable == 2 and side.stats.counter("early_save.pins_expired") == 1
+    assert all(side.host.lookup(h) is not None for h in hashes)  # still cached for a later hit
 
 
 def test_stall_begin_during_early_save_does_not_copy_twice(pool: BlockPool, clock: Clock) -> None:

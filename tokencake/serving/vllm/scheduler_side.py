@@ -211,6 +211,11 @@ class _ReqInfo:
     room_at_arrival: bool | None = None
 
 
+def _finish_owner(session_id: str) -> str:
+    """Host-pool owner of an at-finish save's copies until the session's stall begins."""
+    return f"finish:{session_id}"
+
+
 def _extra_bool(extra: dict[str, Any], name: str, default: bool) -> bool:
     value = extra.get(name, default)
     if isinstance(value, str):
@@ -360,6 +365,9 @@ class SchedulerSide:
         self._usa_first = 0
         #: Session id -> device blocks a policy keeps for it (``keep``).
         self._kept: dict[str, _Keep] = {}
+        #: Sessions whose at-finish save committed before their stall began: their host copies are
+        #: pinned (owner ``finish:<session>``) until the stall pins them, or this deadline.
+        self._finish_pins: dict[str, float] = {}
         #: Request id -> arrival time (the queueing delay policies learn from).
         self._arrival: dict[str, float] = {}
         self.stats.register("host_pool", self.host.stats)
@@ -1285,6 +1293,8 @@ class SchedulerSide:
         self._copied.clear()
         for sid in list(self._kept):
             self._unkeep(sid, "reset")
+        for sid in list(self._finish_pins):
+            self._release_finish_pins(sid)
         dropped = self.host.reset()
         self._filling.clear()
         self._demoted.clear()
@@ -1293,10 +1303,18 @@ class SchedulerSide:
         log.info("TokenCake: prefix cache reset, %d host blocks dropped", dropped)
         return True
 
+    def _release_finish_pins(self, session_id: str) -> None:
+        if self._finish_pins.pop(session_id, None) is not None:
+            self.host.release(_finish_owner(session_id))
+
     def _step(self, now: float) -> None:
         if now >= self._next_sweep:  # the tracker's safety net: old stalls, idle sessions
             self._next_sweep = now + 1.0
             self.sessions.sweep(now)
+            for sid, deadline in list(self._finish_pins.items()):
+                if deadline <= now:  # announced, but no stall came: the copies are the LRU's again
+                    self._release_finish_pins(sid)
+                    self.stats.inc("early_save.pins_expired")
         self._drain(now)
         self._critical_before = None  # a snapshot holds within one scheduling pass only
         if self._first_token:
@@ -1382,6 +1400,7 @@ class SchedulerSide:
             self._stalls[stall.stall_id] = stall
             self._session_stall[stall.session_id] = stall.stall_id
             self._evaluate(stall, now)
+            self._release_finish_pins(stall.session_id)  # the stall pins what it keeps
         elif tr.kind == "end":
             stall = self._stalls.pop(tr.stall_id, None)
             ev = tr.event
@@ -1870,6 +1889,12 @@ class SchedulerSide:
                 used = self.host.commit(h, slot)
                 if stall is not None and stall.offloaded:
                     self.host.pin(used, stall.stall_id)
+                elif job.stall_id is None and job.session_id and self.policy.uses_events:
+                    # An announced stall's save came back before its stall_begin: unpinned, the
+                    # copy is the LRU's to reclaim (and its device blocks free to evict) in the
+                    # gap, and the stall would find its chain cut. Hold it for the stall.
+                    self.host.pin(used, _finish_owner(job.session_id))
+                    self._finish_pins[job.session_id] = self.clock() + self.opts.keep_after_end_s
             else:
                 if ok:
                     self.stats.inc("offload.hash_mismatch")
