@@ -154,6 +154,16 @@ class GateInput:
     host_preemptible_blocks: int = 0
     #: Seconds already elapsed since stall begin (re-evaluation shrinks the remaining window).
     elapsed_s: float = 0.0
+
+    @property
+    def host_room(self) -> int:
+        """Host slots a save may use: free, unheld (LRU) and those of later returns."""
+        return (
+            max(self.host_free_blocks, 0)
+            + max(self.host_reclaimable_blocks, 0)
+            + max(self.host_preemptible_blocks, 0)
+        )
+
     #: False when the session has never finished a request here (nothing known to offload).
     session_known: bool = True
     #: Caller-declared emergency (e.g. preemptions this step); same effect as high usage.
@@ -273,12 +283,7 @@ class OffloadGate:
         pressure = emergency or usage >= self.usage_threshold or waiting
         if not pressure:
             return Decision(False, "no_pressure", retryable="no_pressure" in RETRYABLE, **common)
-        room = (
-            max(inp.host_free_blocks, 0)
-            + max(inp.host_reclaimable_blocks, 0)
-            + max(inp.host_preemptible_blocks, 0)
-        )
-        if room < to_copy:
+        if inp.host_room < to_copy:
             return Decision(False, "host_pool_full", retryable="host_pool_full" in RETRYABLE, **common)
         return Decision(True, "offload", **common)
 

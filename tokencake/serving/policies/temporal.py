@@ -45,8 +45,4 @@ class TokenCakePolicy(EventPolicy):
     @staticmethod
     def _spare_room(view: PolicyView, to_copy: int) -> bool:
         """Host room for every block not on host yet (the gate's room rule)."""
-        g = view.gate
-        room = (
-            max(g.host_free_blocks, 0) + max(g.host_reclaimable_blocks, 0) + max(g.host_preemptible_blocks, 0)
-        )
-        return 0 < to_copy <= room
+        return 0 < to_copy <= view.gate.host_room

@@ -574,12 +574,8 @@ class SchedulerSide:
     ) -> GateInput:
         on_host = sum(1 for _i, h, _d, slot in chain if slot is not None or h in self._filling)
         left = remaining_s(predicted_s, elapsed_s, self.gate.overdue_factor)
-        to_copy = len(chain) - on_host
-        preemptible = 0
-        short = to_copy - self.host.num_free - self.host.num_reclaimable
-        if short > 0:  # only then does the gate need them (and only as many as are short)
-            own = {h for _i, h, _d, _s in chain}
-            preemptible = len(self._host_victims(now + left, session_id, now, limit=short, own=own))
+        # Only a pool short of room needs victims, and only as many as are short.
+        preemptible = len(self._victims_for(chain, len(chain) - on_host, now + left, session_id, now))
         return GateInput(
             predicted_s=predicted_s,
             num_blocks=len(chain),
@@ -593,6 +589,16 @@ class SchedulerSide:
             elapsed_s=elapsed_s,
             session_known=known,
         )
+
+    def _victims_for(
+        self, chain: list, n: int, returns_at: float | None, session_id: str, now: float
+    ) -> list[int]:
+        """Victims a save of ``n`` blocks of ``chain`` needs beyond free and unheld slots."""
+        short = n - self.host.num_free - self.host.num_reclaimable
+        if returns_at is None or short <= 0:
+            return []
+        own = {h for _i, h, _d, _s in chain}
+        return self._host_victims(returns_at, session_id, now, limit=short, own=own)
 
     def _host_victims(
         self,
@@ -693,12 +699,7 @@ class SchedulerSide:
         if not todo:
             return None
         # The slots are allocated for the job about to be created (owner = its id), all or nothing.
-        victims: list[int] = []
-        now = self.clock()
-        short = len(todo) - self.host.num_free - self.host.num_reclaimable
-        if returns_at is not None and short > 0:
-            own = {h for _i, h, _d, _s in chain}
-            victims = self._host_victims(returns_at, session_id, now, limit=short, own=own)
+        victims = self._victims_for(chain, len(todo), returns_at, session_id, self.clock())
         losers = {slot: self.host.owners(slot) for slot in victims}
         slots = self.host.allocate(len(todo), _Job.owner_of(self._next_job), victims)
         taken = [slot for slot in slots if slot in losers]
