@@ -395,8 +395,16 @@ def extension_summary(
         ),
         # Wall time of the connector's scheduler-side hooks (engine thread, between forwards).
         "connector_hook_s": c("engine.hook_seconds"),
-        # Admissions of non-critical requests that evicted a critical-path session's idle KV.
+        # Admissions of non-critical requests that evicted a critical-path session's idle KV (all;
+        # and those that took a block with no host copy, which the critical path must recompute).
         "critical_inversions": c("spatial.critical_inversions"),
+        "critical_inversions_unsaved": c("spatial.critical_inversions_unsaved"),
+        "critical_blocks_evicted": c("spatial.critical_blocks_evicted"),
+        "critical_blocks_evicted_unsaved": c("spatial.critical_blocks_evicted_unsaved"),
+        # Of the prefix the critical-path sessions' next turns repeated, the share recomputed.
+        "critical_recomputed_share": _share(
+            c("next_turn.critical.prefix_tokens_recomputed"), c("next_turn.critical.prefix_tokens")
+        ),
         # Mean wait for admission of critical-path, other agent and plain requests (spatial order).
         **{
             f"queue_wait_{who}_mean_s": _share(

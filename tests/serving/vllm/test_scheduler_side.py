@@ -1507,7 +1507,10 @@ def test_critical_inversion_when_a_non_critical_admission_evicts_critical_kv(
     side.update_state_after_alloc(crit, [], 0)
     assert sum(bp.cached_block(pool, h) is not None for h in hashes) == 2
     assert side.stats.counter("spatial.critical_inversions") == 0
-    # A plain request whose allocation takes the rest of C's idle chain is one.
+    # A plain request whose allocation takes the rest of C's idle chain is one; one of the two
+    # blocks it took has a host copy, the other must be recomputed: an unsaved inversion.
+    (slot,) = side.host.allocate(1, "test")
+    side.host.commit(hashes[1], slot)
     plain = request("p", chain("p", 2), 2 * BS, session=None)
     side.on_new_request(plain)
     side.get_num_new_matched_tokens(plain, 0)
@@ -1515,6 +1518,31 @@ def test_critical_inversion_when_a_non_critical_admission_evicts_critical_kv(
     side.update_state_after_alloc(plain, [], 0)
     assert side.stats.counter("spatial.critical_inversions") == 1
     assert side.stats.counter("spatial.critical_blocks_evicted") == 2
+    assert side.stats.counter("spatial.critical_inversions_unsaved") == 1
+    assert side.stats.counter("spatial.critical_blocks_evicted_unsaved") == 1
+    bp.release(pool, taken)
+
+
+def test_a_critical_inversion_of_blocks_safe_on_host_costs_no_recompute(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Every block a non-critical admission took from the critical chain has a host copy: an
+    inversion, not an unsaved one (the eviction order lets host-safe blocks go first)."""
+    side = make_side(pool, clock, offload=False)
+    hashes = chain("safe", 2)
+    finish_turn(side, pool, hashes, "c1", session="run:C", next_tool=5.0, critical=True)
+    for h in hashes:
+        (slot,) = side.host.allocate(1, "test")
+        side.host.commit(h, slot)
+    other = request("o", chain("o", 1), BS + 1, session="run:O")
+    side.on_new_request(other)
+    side.get_num_new_matched_tokens(other, 0)
+    taken = bp.allocate(pool, bp.num_free(pool))  # takes every idle block, the chain included
+    side.update_state_after_alloc(other, [], 0)
+    assert side.stats.counter("spatial.critical_inversions") == 1
+    assert side.stats.counter("spatial.critical_blocks_evicted") == 2
+    assert side.stats.counter("spatial.critical_inversions_unsaved") == 0
+    assert side.stats.counter("spatial.critical_blocks_evicted_unsaved") == 0
     bp.release(pool, taken)
 
 
@@ -1565,7 +1593,7 @@ def test_recomputed_next_turn_blocks_say_why(pool: BlockPool, clock: Clock) -> N
     side.gate.usage_threshold = 0.99  # an idle engine: no pressure
     side.max_step_tokens = BS
     hashes = chain("np", 2)
-    finish_turn(side, pool, hashes)
+    finish_turn(side, pool, hashes, critical=True)
     side.handle_event(begin(predicted=10.0))
     side.build_meta()
     assert side.stats.counter("stalls.decision.no_pressure") == 1
@@ -1573,6 +1601,9 @@ def test_recomputed_next_turn_blocks_say_why(pool: BlockPool, clock: Clock) -> N
     resume(side, hashes, "r2")
     assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 2 * BS
     assert side.stats.counter("next_turn.recomputed_why.not_saved.no_pressure") == 2
+    # A critical-path session: its recompute is also counted as the critical path's.
+    assert side.stats.counter("next_turn.critical.prefix_tokens") == 2 * BS
+    assert side.stats.counter("next_turn.critical.prefix_tokens_recomputed") == 2 * BS
 
     side = make_side(pool, clock, prefetch=False)
     hashes = chain("hd", 2)
@@ -1580,3 +1611,4 @@ def test_recomputed_next_turn_blocks_say_why(pool: BlockPool, clock: Clock) -> N
     side.host.reset()  # e.g. /reset_prefix_cache: every host copy invalidated
     resume(side, hashes, "r3")
     assert side.stats.counter("next_turn.recomputed_why.host_dropped") == 2
+    assert side.stats.counter("next_turn.critical.prefix_tokens_recomputed") == 0  # not critical

@@ -105,6 +105,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "spatial_critical_inversions",
         "Spatial: admissions of a non-critical request that evicted a critical-path session's idle KV.",
     ),
+    MetricSpec(
+        "spatial_critical_inversions_unsaved",
+        "Spatial: critical inversions that evicted a block with no host copy (a recompute for the "
+        "critical path).",
+    ),
     MetricSpec("errors", "Exceptions caught (and survived) in TokenCake hooks, by hook.", "hook"),
 )
 SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
@@ -122,6 +127,7 @@ _DIRECT: dict[str, str] = {
     "spatial.reserved_block_steps": "spatial_reserved_block_steps",
     "spatial.steps": "spatial_steps",
     "spatial.critical_inversions": "spatial_critical_inversions",
+    "spatial.critical_inversions_unsaved": "spatial_critical_inversions_unsaved",
 }
 #: ``Stats`` counter prefix -> labelled metric (the rest of the counter name is the label value).
 _PREFIXED: dict[str, str] = {

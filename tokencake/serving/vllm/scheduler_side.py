@@ -342,7 +342,7 @@ class SchedulerSide:
         self._critical_idle: ByteLRU[str, tuple[bytes, ...]] = ByteLRU(
             max_items=CRITICAL_WATCH, max_bytes=16 << 20
         )
-        self._critical_before: dict[str, int] | None = None
+        self._critical_before: dict[str, frozenset[bytes]] | None = None
         #: Sessions whose latest finished request was on the critical path (``_Stall.critical``).
         self._critical_sessions: ByteLRU[str, bool] = ByteLRU(max_items=CRITICAL_SESSIONS, max_bytes=1 << 20)
         #: Sessions whose client sends no stall events: the stall derived from their last request.
@@ -1109,25 +1109,34 @@ class SchedulerSide:
         self.stats.inc("demand_load.blocks", n)
         self.stats.inc("tokens.from_host", n * self.block_size)
 
-    def _critical_cached(self) -> dict[str, int]:
-        """Per watched critical session: how many blocks of its idle chain are cached on device."""
+    def _critical_cached(self) -> dict[str, frozenset[bytes]]:
+        """Per watched critical session: the blocks of its idle chain that are cached on device."""
         pool = self.pool
         if pool is None:
             return {}
         return {
-            sid: sum(bp.cached_block(pool, h) is not None for h in hashes)
+            sid: frozenset(h for h in hashes if bp.cached_block(pool, h) is not None)
             for sid, hashes in self._critical_idle.items()
         }
 
-    def _count_inversions(self, before: dict[str, int]) -> dict[str, int]:
+    def _count_inversions(self, before: dict[str, frozenset[bytes]]) -> dict[str, frozenset[bytes]]:
         """A non-critical request was admitted: did its allocation evict a critical session's KV?
-        Returns the cached counts now."""
+
+        ``critical_inversions`` counts every such admission; ``critical_inversions_unsaved`` those
+        that took a block with no host copy — the ones that cost the critical path a recompute (a
+        block safe on host comes back by a copy, which is why the eviction order lets those go
+        first). Returns the cached blocks now."""
         after = self._critical_cached()
-        for sid, n in before.items():
-            lost = n - after.get(sid, n)
-            if lost > 0:
-                self.stats.inc("spatial.critical_inversions")
-                self.stats.inc("spatial.critical_blocks_evicted", lost)
+        for sid, cached in before.items():
+            lost = cached - after.get(sid, cached)
+            if not lost:
+                continue
+            unsaved = sum(self.host.lookup(h) is None for h in lost)
+            self.stats.inc("spatial.critical_inversions")
+            self.stats.inc("spatial.critical_blocks_evicted", len(lost))
+            if unsaved:
+                self.stats.inc("spatial.critical_inversions_unsaved")
+                self.stats.inc("spatial.critical_blocks_evicted_unsaved", unsaved)
         return after
 
     def _room_for_chain(self, session_id: str, req_id: str) -> bool:
@@ -1200,6 +1209,9 @@ class SchedulerSide:
         self.stats.inc("next_turn.prefix_tokens_device", device)
         self.stats.inc("next_turn.prefix_tokens_host", served - device)
         self.stats.inc("next_turn.prefix_tokens_recomputed", chain_tokens - served)
+        if stall.critical:  # what the critical path recomputed: the cost a critical inversion has
+            self.stats.inc("next_turn.critical.prefix_tokens", chain_tokens)
+            self.stats.inc("next_turn.critical.prefix_tokens_recomputed", chain_tokens - served)
         self.stats.set("next_turn.last_recomputed", chain_tokens - served)
         if served < chain_tokens:
             self._count_recomputed(stall, request, served // self.block_size, common)
