@@ -2,18 +2,20 @@
 
 Issue 12's GPU-scale view and the evidence behind the score's weights (``docs/policy.md`` §7):
 every mix below is simulated with the bench's ``spatial-off`` (TokenCake's KV policy under vLLM's
-priority scheduler) and ``tokencake`` (the same policy with the spatial scheduler's admission
-order), twice per seed — once with the shipped weights, once with the weighting before them
-(requests aged 5× faster, app age 10× as heavy: first come first served by app; ``ablation``).
+priority scheduler) and ``tokencake`` (the same policy with the spatial scheduler: its admission
+order, critical-path chains evicted last and the critical reserve), twice per seed — once with the
+shipped weights, once with the weighting before them (requests aged 5× faster, app age 10× as
+heavy: first come first served by app; ``ablation``) — and the bench's spatial ablations
+``spatial-order`` (the admission order only) and ``reserve-off`` (no reserve).
 Mixes vary agent count, arrival rate, context length, shared prefixes, host pool size and the
 hardware profile (CPU-measured and the H200 model); none is tuned for.
 
     python benchmarks/spatial_sim.py --out docs/bench/sim-spatial.json    # ~1.5 min on 2 cores
     python benchmarks/spatial_sim.py --variants --out docs/bench/sim-spatial-variants.json  # ~3 min
 
-Writes per mix and seed: mean app E2E and mean queue wait of critical-path and other requests for
-each system, and the ratios ``tokencake / spatial-off``. The simulator models the admission order
-only (not the critical reserve nor the eviction order by criticality; ``docs/simulation.md`` §7).
+Writes per mix and seed: mean app E2E, mean queue wait of critical-path and other requests,
+critical inversions (all, and unsaved: a block taken had no host copy) and the critical path's
+recomputed share of its resumed prefixes for each system, and the ratios ``tokencake / spatial-off``.
 """
 
 from __future__ import annotations
@@ -84,11 +86,19 @@ def _run(trace: Any, profile: Any, weights: SpatialWeights | None, host: int | N
         sim_engine.SpatialScorer = original  # type: ignore[misc]
 
 
-def _row(r: Any) -> dict[str, float]:
+#: The bench's spatial ablations, run on every mix.
+ABLATIONS: tuple[str, ...] = ("spatial-order", "reserve-off")
+
+
+def _row(r: Any) -> dict[str, Any]:
+    ext = r.extension or {}
     return {
         "e2e_mean_s": r.e2e_mean_s,
         "queue_wait_critical_mean_s": r.queue_wait_critical_mean_s,
         "queue_wait_noncritical_mean_s": r.queue_wait_noncritical_mean_s,
+        "critical_inversions": ext.get("critical_inversions"),
+        "critical_inversions_unsaved": ext.get("critical_inversions_unsaved"),
+        "critical_recomputed_share": ext.get("critical_recomputed_share"),
     }
 
 
@@ -118,15 +128,23 @@ def main() -> int:
                     on.queue_wait_critical_mean_s, off.queue_wait_critical_mean_s
                 ),
             }
+            for name in ABLATIONS:
+                other = simulate(trace, profile, SYSTEMS[name], host_blocks=host)
+                row["systems"][name] = _row(other)
+                row[f"{name}/spatial-off"] = other.e2e_mean_s / off.e2e_mean_s
             for name, weights in variants.items():
                 other = _run(trace, profile, weights, host)
                 row["systems"][name] = _row(other)
                 row[f"{name}/spatial-off"] = other.e2e_mean_s / off.e2e_mean_s
             rows.append(row)
+            on_row, off_row = row["systems"]["tokencake"], row["systems"]["spatial-off"]
             print(
                 f"{label} s{seed}: tokencake/spatial-off {row['tokencake/spatial-off']:.3f} "
                 f"(ablation {row['ablation/spatial-off']:.3f}), critical wait "
-                f"{on.queue_wait_critical_mean_s:.1f} vs {off.queue_wait_critical_mean_s:.1f} s",
+                f"{on.queue_wait_critical_mean_s:.1f} vs {off.queue_wait_critical_mean_s:.1f} s, "
+                f"inversions {on_row['critical_inversions']} "
+                f"({on_row['critical_inversions_unsaved']} unsaved) vs {off_row['critical_inversions']} "
+                f"({off_row['critical_inversions_unsaved']} unsaved)",
                 flush=True,
             )
     ratios = [r["tokencake/spatial-off"] for r in rows]
@@ -156,6 +174,22 @@ def main() -> int:
             "ablation/spatial-off": _spread(old),
             "critical_wait_tokencake/spatial-off": _spread(waits),
             "tokencake_not_worse_than_1.05": sum(r <= 1.05 for r in ratios),
+            **{
+                f"{name}/spatial-off": _spread([r[f"{name}/spatial-off"] for r in rows]) for name in ABLATIONS
+            },
+            # Summed over every mix and seed, per system.
+            **{
+                f"{key}_total": {
+                    name: sum(r["systems"][name][key] or 0 for r in rows)
+                    for name in ("tokencake", "spatial-off", *ABLATIONS)
+                }
+                for key in ("critical_inversions", "critical_inversions_unsaved")
+            },
+            # Mixes and seeds where tokencake had fewer / more unsaved inversions than spatial-off.
+            "unsaved_inversions_fewer_more": [
+                sum(_unsaved(r, "tokencake") < _unsaved(r, "spatial-off") for r in rows),
+                sum(_unsaved(r, "tokencake") > _unsaved(r, "spatial-off") for r in rows),
+            ],
             **{f"{name}/spatial-off": _spread([r[f"{name}/spatial-off"] for r in rows]) for name in variants},
         },
         "variant_weights": {name: w.__dict__ for name, w in variants.items()},
@@ -165,6 +199,10 @@ def main() -> int:
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc["summary"], indent=2))
     return 0
+
+
+def _unsaved(row: dict[str, Any], system: str) -> int:
+    return row["systems"][system]["critical_inversions_unsaved"] or 0
 
 
 def _ratio(a: float, b: float) -> float | None:

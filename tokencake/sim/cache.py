@@ -58,6 +58,8 @@ class BlockCache:
         self.by_key: dict[Hashable, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict()
         self.evictions = 0
+        #: The keys the latest ``allocate`` evicted (critical-inversion accounting).
+        self.last_evicted: list[Hashable] = []
         self.seq = [0] * num_blocks
         self._order = _Order(max(1 << 16, 8 * num_blocks))
         for b in range(num_blocks):
@@ -130,6 +132,8 @@ class BlockCache:
         if n > len(self.free):
             raise CacheFull(f"{n} blocks asked, {len(self.free)} free")
         out = []
+        evicted: list[Hashable] = []
+        self.last_evicted = evicted
         for _ in range(n):
             b = next(iter(self.free))
             self._pop(b)
@@ -139,6 +143,7 @@ class BlockCache:
                     del self.by_key[k]
                 self.key[b] = None
                 self.evictions += 1
+                evicted.append(k)
             self.ref[b] = 1
             out.append(b)
         return out

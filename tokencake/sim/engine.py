@@ -134,6 +134,9 @@ class Engine:
         self._scheduled_sum = 0
         if extension is not None:
             extension.bind(self)
+            # The spatial scheduler's eviction side goes with its admission order (as the
+            # connector's ``critical_last``, unless the options keep the order only).
+            extension.critical_last = scheduling == "spatial" and extension.opts.critical_last
 
     # ------------------------------------------------------------------ requests
     def submit(self, req: Request) -> None:
@@ -278,6 +281,8 @@ class Engine:
             self._dequeue()
             self.cache.touch(hit)
             req.blocks = hit + self.cache.allocate(want)
+            if self.ext is not None and self.cache.last_evicted:
+                self.ext.on_allocated(req, self.cache.last_evicted)
             req.num_computed = computed
             req.cached_upto = len(hit)
             if req.admitted_at is None:

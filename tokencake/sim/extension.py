@@ -29,6 +29,7 @@ from tokencake.serving.host_pool import HostPool, HostPoolExhausted, preemption_
 from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
+from tokencake.serving.spatial import demote_rank
 
 if TYPE_CHECKING:
     from tokencake.sim.engine import Engine, Request, Session
@@ -59,6 +60,8 @@ class _Stall:
     accounted: bool = False
     resumed: bool = False
     retry_s: float = 0.0
+    #: The session's last request was on its app's critical path.
+    critical: bool = False
 
     @property
     def returns_at(self) -> float:
@@ -86,6 +89,7 @@ class _Hold:
     since: float
     rank: float
     kind: str  # keep | hold
+    critical: bool = False
 
 
 class KVExtension:
@@ -95,6 +99,11 @@ class KVExtension:
         self.host = HostPool(host_blocks)
         self.stats: Counter[str] = Counter()
         self.engine: Engine | None = None
+        #: The spatial scheduler's eviction side (the connector's ``critical_last``): critical-path
+        #: sessions' chains evicted last among demoted ones, their holds yield last and up to
+        #: ``critical_reserve_frac`` of them are a reserve against non-critical admissions. Set by
+        #: the engine's ``spatial`` scheduling (unless ``Options.critical_last`` is false).
+        self.critical_last = False
 
     # ------------------------------------------------------------------ set-up
     def bind(self, engine: Engine) -> None:
@@ -146,6 +155,11 @@ class KVExtension:
         self._was_waiting = False
         #: Stalls whose chain a prefetch put back while the tool still runs (checked for eviction).
         self._prefetched_running: dict[_Stall, None] = {}
+        self._critical: dict[str, bool] = {}  # session -> its last request was critical
+        # Critical-path sessions whose idle chain is watched for critical inversions, and the
+        # sessions watching each key (the connector's ``_critical_idle``).
+        self._critical_idle: dict[str, tuple[bytes, ...]] = {}
+        self._watchers: dict[bytes, set[str]] = {}
 
     @property
     def now(self) -> float:
@@ -388,14 +402,19 @@ class KVExtension:
         # stall returns last (the usual case) only its chain moves: the same order, O(chain).
         # Beyond DEMOTE_EXACT demoted stalls the simulator moves only the new chain (an
         # approximation: O(demoted × chain) per offload is its hot loop at 1,000 agents).
-        if len(self._demoted) > DEMOTE_EXACT or all(s.returns_at <= stall.returns_at for s in self._demoted):
+        rank = self._evict_rank
+        if len(self._demoted) > DEMOTE_EXACT or all(rank(s) <= rank(stall) for s in self._demoted):
             order = [stall]
         else:
-            order = sorted(self._demoted, key=lambda s: (s.returns_at, s.stall_id))
+            order = sorted(self._demoted, key=lambda s: (*rank(s), s.stall_id))
         for s in order:
             self.stats["evict_order.demoted_blocks"] += self.cache.move(
                 self._chain_blocks(s, on_host_only=True), front=True
             )
+
+    def _evict_rank(self, stall: _Stall) -> tuple[int, float]:
+        """As the connector's: the highest rank is evicted first."""
+        return demote_rank(critical=stall.critical and self.critical_last, returns_at=stall.returns_at)
 
     def _promote(self, stall: _Stall) -> None:
         if stall in self._demoted:
@@ -419,7 +438,8 @@ class KVExtension:
             held.blocks.extend(new)
             held.until = max(held.until, until)
             return
-        self._holds[session_id] = _Hold(session_id, new, until, self.now, rank, kind)
+        critical = self._critical.get(session_id, False)
+        self._holds[session_id] = _Hold(session_id, new, until, self.now, rank, kind, critical)
         self.stats[f"{kind}.sessions"] += 1
 
     def _unhold(self, session_id: str, why: str) -> None:
@@ -428,12 +448,37 @@ class KVExtension:
             self.cache.release(list(reversed(held.blocks)))
             self.stats[f"{held.kind}.released.{why}"] += 1
 
-    def _release_holds_until(self, enough: Any, why: str, spare: str = "") -> None:
-        for held in sorted(self._holds.values(), key=lambda h: h.rank, reverse=True):
+    def _hold_rank(self, held: _Hold) -> tuple[int, float]:
+        return demote_rank(critical=held.critical and self.critical_last, returns_at=held.rank)
+
+    def _release_holds_until(
+        self, enough: Any, why: str, spare: str = "", protect: frozenset[str] = frozenset()
+    ) -> None:
+        for held in sorted(self._holds.values(), key=self._hold_rank, reverse=True):
             if enough():
                 return
-            if held.session_id != spare:
+            if held.session_id != spare and held.session_id not in protect:
                 self._unhold(held.session_id, why)
+
+    def _protected(self, req: Request) -> frozenset[str]:
+        """The critical reserve against this admission, as the connector's ``_protected``: only
+        with the spatial scheduler on, only against a non-critical request that waited less than
+        ``critical_reserve_wait_s``, the holds of the critical sessions that return soonest while
+        they fit in ``critical_reserve_frac`` of the device."""
+        if not self.critical_last or req.priority == 0 or req.admitted_at is not None:
+            return frozenset()
+        if self.now - req.arrival >= self.opts.critical_reserve_wait_s:
+            return frozenset()
+        cap = int(self.opts.critical_reserve_frac * self.cache.num_blocks)
+        out: list[str] = []
+        used = 0
+        for held in sorted((h for h in self._holds.values() if h.critical), key=lambda h: h.rank):
+            n = sum(self.cache.ref[b] == 1 for b in held.blocks)
+            if used + n > cap:
+                break
+            used += n
+            out.append(held.session_id)
+        return frozenset(out)
 
     def _reserve(self) -> int:
         return max(
@@ -444,12 +489,50 @@ class KVExtension:
         if not self._holds:
             return
         own = req.session.session_id
+        protect = self._protected(req)
         releasable = sum(
-            sum(self.cache.ref[b] == 1 for b in h.blocks) for h in self._holds.values() if h.session_id != own
+            sum(self.cache.ref[b] == 1 for b in h.blocks)
+            for h in self._holds.values()
+            if h.session_id != own and h.session_id not in protect
         )
         if self.cache.num_free + releasable < need:
+            if protect:
+                self.stats["spatial.reserve_denials"] += 1
             return
-        self._release_holds_until(lambda: self.cache.num_free >= need, "room", spare=own)
+        self._release_holds_until(lambda: self.cache.num_free >= need, "room", spare=own, protect=protect)
+
+    # ------------------------------------------------------------------ critical inversions
+    def _watch(self, session_id: str, keys: tuple[bytes, ...]) -> None:
+        self._unwatch(session_id)
+        self._critical_idle[session_id] = keys
+        for k in keys:
+            self._watchers.setdefault(k, set()).add(session_id)
+
+    def _unwatch(self, session_id: str) -> None:
+        for k in self._critical_idle.pop(session_id, ()):
+            sids = self._watchers.get(k)
+            if sids is not None:
+                sids.discard(session_id)
+                if not sids:
+                    del self._watchers[k]
+
+    def on_allocated(self, req: Request, evicted: list[Any]) -> None:
+        """A waiting request was allocated blocks, evicting the cached ``evicted`` keys: a
+        non-critical one that took a watched critical chain's block is a critical inversion
+        (``unsaved`` when a block it took has no host copy), as the connector counts them."""
+        if req.priority == 0 or not evicted or not self._watchers:
+            return
+        lost: dict[str, list[Any]] = {}
+        for k in evicted:
+            for sid in self._watchers.get(k, ()):
+                lost.setdefault(sid, []).append(k)
+        for keys in lost.values():
+            unsaved = sum(self.host.lookup(k) is None for k in keys)
+            self.stats["spatial.critical_inversions"] += 1
+            self.stats["spatial.critical_blocks_evicted"] += len(keys)
+            if unsaved:
+                self.stats["spatial.critical_inversions_unsaved"] += 1
+                self.stats["spatial.critical_blocks_evicted_unsaved"] += unsaved
 
     def _hold_prefetched(self, stall: _Stall) -> None:
         if not self.opts.hold_prefetched or stall.accounted or stall.resumed:
@@ -519,6 +602,7 @@ class KVExtension:
                 stall.resumed = True
         if sid in self._holds:
             self._unhold(sid, "admitted")
+        self._unwatch(sid)  # its blocks are in use again
         self._account_next_turn(req, local_blocks, host_blocks)
         if req.seen_at is not None:
             self.policy.observe_queue_delay(max(self.now - req.arrival, 0.0))
@@ -560,6 +644,9 @@ class KVExtension:
         self.stats["next_turn.prefix_tokens_device"] += device * bs
         self.stats["next_turn.prefix_tokens_host"] += (served - device) * bs
         self.stats["next_turn.prefix_tokens_recomputed"] += (chain - served) * bs
+        if stall.critical:
+            self.stats["next_turn.critical.prefix_tokens"] += chain * bs
+            self.stats["next_turn.critical.prefix_tokens_recomputed"] += (chain - served) * bs
         on_device = device >= chain
         ended = stall.ended_at if stall.ended_at is not None else self.now
         if chain > 0 and ended - stall.begin_at > stall.lead_s:
@@ -597,6 +684,12 @@ class KVExtension:
         full = min(req.num_computed, req.prompt_tokens + req.output_tokens) // self.block_size
         keys = session.keys(min(full, len(req.blocks)))
         self._chains[session.session_id] = keys
+        critical = req.priority == 0
+        self._critical[session.session_id] = critical
+        if critical and keys and req.next_tool is not None:
+            self._watch(session.session_id, tuple(keys))  # type: ignore[arg-type]
+        else:
+            self._unwatch(session.session_id)
         chain = self._chain(keys)
         reused = [s for _i, _k, _d, s in reversed(chain) if s is not None]
         if reused:
@@ -633,6 +726,7 @@ class KVExtension:
         fc = self.forecaster.predict(session.agent_type, tool, hint_s or None)
         keys = tuple(self._chains.get(session.session_id, ()))
         stall = _Stall(stall_id, session, tool, self.now, fc.seconds, keys)
+        stall.critical = self._critical.get(session.session_id, False)
         stall.lead_s = (
             self.transfer.estimate("h2d", len(keys) * self.profile.block_bytes) + self.opts.prefetch_margin_s
         )
@@ -865,6 +959,12 @@ class KVExtension:
             if prefix
             else None,
             "ready_rate": ready / eligible if eligible else None,
+            "critical_inversions": c["spatial.critical_inversions"],
+            "critical_inversions_unsaved": c["spatial.critical_inversions_unsaved"],
+            "critical_recomputed_share": c["next_turn.critical.prefix_tokens_recomputed"]
+            / c["next_turn.critical.prefix_tokens"]
+            if c["next_turn.critical.prefix_tokens"]
+            else None,
             "counters": dict(sorted(c.items())),
             "host_pool": self.host.stats(),
             "prefetch_planner": self.planner.stats(),

@@ -58,6 +58,14 @@ SYSTEMS: dict[str, SystemSpec] = {
     # spatial-off and the other policies with vLLM's priority scheduler.
     "tokencake": SystemSpec("tokencake", "tokencake", scheduling="spatial"),
     "spatial-off": SystemSpec("spatial-off", "tokencake"),
+    # The spatial ablations, as the bench's: the admission order only; order + critical-last
+    # eviction without the reserve.
+    "spatial-order": SystemSpec(
+        "spatial-order", "tokencake", options={"critical_last": False}, scheduling="spatial"
+    ),
+    "reserve-off": SystemSpec(
+        "reserve-off", "tokencake", options={"critical_reserve_frac": 0.0}, scheduling="spatial"
+    ),
     "offload-all": SystemSpec("offload-all", "offload-all"),
     "continuum": SystemSpec("continuum", "continuum"),
     "infercept": SystemSpec("infercept", "infercept"),

@@ -1,0 +1,81 @@
+"""The simulated connector's spatial side (tokencake/sim/extension.py): critical inversions are
+counted as the connector counts them, and the eviction side follows the admission order."""
+
+from __future__ import annotations
+
+from tokencake.serving.options import Options
+from tokencake.sim.engine import Engine, Request, Session
+from tokencake.sim.extension import KVExtension
+from tokencake.sim.profiles import get_profile
+from tokencake.sim.run import SYSTEMS
+
+PROFILE = get_profile("cpu-measured").with_(name="unit", block_size=4, max_batched_tokens=16, max_num_seqs=8)
+
+
+def run(engine: Engine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def engine_with(scheduling: str = "spatial", **opts: object) -> Engine:
+    ext = KVExtension(Options(policy="tokencake", offload=False, **opts), host_blocks=8)  # type: ignore[arg-type]
+    return Engine(PROFILE, device_blocks=4, extension=ext, scheduling=scheduling)
+
+
+def finish_critical(engine: Engine) -> Session:
+    """A critical-path request that announced a tool call finished: its 2 blocks idle, watched."""
+    crit = Session("c", "agent", 4)
+    engine.submit(Request(0, crit, prompt_tokens=8, output_tokens=1, arrival=0.0, next_tool=("t", 5.0)))
+    run(engine)
+    assert len(engine.cache.match(crit.keys(2))) == 2
+    return crit
+
+
+def counters(engine: Engine) -> dict[str, int]:
+    assert engine.ext is not None
+    return engine.ext.stats
+
+
+def test_a_non_critical_admission_that_evicts_a_critical_chain_is_an_unsaved_inversion() -> None:
+    engine = engine_with()
+    crit = finish_critical(engine)
+    other = Request(
+        1, Session("o", "agent", 4), prompt_tokens=13, output_tokens=1, arrival=engine.now, priority=5
+    )
+    engine.submit(other)
+    run(engine)  # needs all 4 blocks: the critical chain goes, and no host copy of it exists
+    assert engine.cache.match(crit.keys(2)) == []
+    c = counters(engine)
+    assert c["spatial.critical_inversions"] == 1 and c["spatial.critical_blocks_evicted"] == 2
+    assert c["spatial.critical_inversions_unsaved"] == 1
+    assert c["spatial.critical_blocks_evicted_unsaved"] == 2
+
+
+def test_blocks_safe_on_host_and_critical_admissions_are_not_unsaved_inversions() -> None:
+    engine = engine_with()
+    crit = finish_critical(engine)
+    assert engine.ext is not None
+    for key in crit.keys(2):
+        (slot,) = engine.ext.host.allocate(1, "test")
+        engine.ext.host.commit(key, slot)
+    other = Request(
+        1, Session("o", "agent", 4), prompt_tokens=13, output_tokens=1, arrival=engine.now, priority=5
+    )
+    engine.submit(other)
+    run(engine)
+    c = counters(engine)
+    assert c["spatial.critical_inversions"] == 1 and c["spatial.critical_inversions_unsaved"] == 0
+    # Another critical request evicting a critical chain is no inversion.
+    engine = engine_with()
+    finish_critical(engine)
+    engine.submit(Request(1, Session("d", "agent", 4), prompt_tokens=13, output_tokens=1, arrival=engine.now))
+    run(engine)
+    assert counters(engine)["spatial.critical_inversions"] == 0
+
+
+def test_the_eviction_side_goes_with_the_spatial_admission_order() -> None:
+    assert engine_with("spatial").ext.critical_last  # type: ignore[union-attr]
+    assert not engine_with("priority").ext.critical_last  # type: ignore[union-attr]
+    assert not engine_with("spatial", critical_last=False).ext.critical_last  # type: ignore[union-attr]
+    assert SYSTEMS["spatial-order"].options == {"critical_last": False}
+    assert SYSTEMS["reserve-off"].engine_scheduling() == "spatial"
