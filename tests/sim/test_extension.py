@@ -79,3 +79,30 @@ def test_the_eviction_side_goes_with_the_spatial_admission_order() -> None:
     assert not engine_with("spatial", critical_last=False).ext.critical_last  # type: ignore[union-attr]
     assert SYSTEMS["spatial-order"].options == {"critical_last": False}
     assert SYSTEMS["reserve-off"].engine_scheduling() == "spatial"
+
+
+def _spare_scenario(scheduling: str) -> tuple[Engine, Session, Session]:
+    """A critical-path session away on a tool call (its idle chain older in the free queue), a
+    non-critical session's idle chain, then a non-critical request that evicts one cached block."""
+    ext = KVExtension(Options(policy="tokencake", offload=False), host_blocks=8)
+    engine = Engine(PROFILE, device_blocks=6, extension=ext, scheduling=scheduling)
+    crit, other = Session("c", "agent", 4), Session("o", "agent", 4)
+    engine.submit(Request(0, crit, prompt_tokens=8, output_tokens=1, arrival=0.0, next_tool=("t", 5.0)))
+    run(engine)
+    ext.stall_begin(crit, "sc", "t", 5.0)
+    engine.submit(Request(1, other, 8, 1, arrival=engine.now, priority=5, next_tool=("t", 5.0)))
+    run(engine)
+    engine.submit(Request(2, Session("p", "agent", 4), 12, 1, arrival=engine.now, priority=5))
+    run(engine)
+    return engine, crit, other
+
+
+def test_a_non_critical_admission_evicts_other_blocks_before_a_critical_chain_not_on_host() -> None:
+    engine, crit, other = _spare_scenario("spatial")
+    assert len(engine.cache.match(crit.keys(2))) == 2 and len(engine.cache.match(other.keys(2))) == 1
+    c = counters(engine)
+    assert c["spatial.critical_spared_blocks"] == 2 and c["spatial.critical_inversions"] == 0
+    # vLLM's LRU order (no spatial scheduler): the critical chain's tail goes.
+    engine, crit, other = _spare_scenario("priority")
+    assert len(engine.cache.match(crit.keys(2))) == 1
+    assert counters(engine)["spatial.critical_inversions_unsaved"] == 1

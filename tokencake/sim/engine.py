@@ -280,6 +280,8 @@ class Engine:
                 break
             self._dequeue()
             self.cache.touch(hit)
+            if self.ext is not None:
+                self.ext.spare_critical_chains(req, want)
             req.blocks = hit + self.cache.allocate(want)
             if self.ext is not None and self.cache.last_evicted:
                 self.ext.on_allocated(req, self.cache.last_evicted)

@@ -516,6 +516,31 @@ class KVExtension:
                 if not sids:
                     del self._watchers[k]
 
+    def spare_critical_chains(self, req: Request, need: int) -> None:
+        """The connector's ``_spare_critical_chains``: before a non-critical admission allocates
+        ``need`` blocks, the idle blocks of critical-path chains away on a tool call (or whose
+        request waits) that have no host copy and sit in the eviction window move to the back."""
+        if not self.critical_last or req.priority == 0 or not self._watchers:
+            return
+        assert self.engine is not None
+        waiting = {r.session.session_id for r in self.engine.waiting}
+        cache, watchers, found, others = self.cache, self._watchers, [], 0
+        for b in cache.free:
+            if others >= need:
+                break
+            k = cache.key[b]
+            sids = watchers.get(k) if k is not None else None
+            if (
+                sids
+                and any(sid in self._session_stall or sid in waiting for sid in sids)
+                and self.host.lookup(k) is None  # type: ignore[arg-type]
+            ):
+                found.append(b)
+            else:
+                others += 1
+        if found:
+            self.stats["spatial.critical_spared_blocks"] += cache.move(found, front=False)
+
     def on_allocated(self, req: Request, evicted: list[Any]) -> None:
         """A waiting request was allocated blocks, evicting the cached ``evicted`` keys: a
         non-critical one that took a watched critical chain's block is a critical inversion

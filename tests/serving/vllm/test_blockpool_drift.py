@@ -108,6 +108,19 @@ def test_reorder_moves_idle_cached_blocks_to_either_end(pool: BlockPool) -> None
     assert pool.free_block_queue.num_free_blocks == bp.num_free(pool) == 7
 
 
+def test_the_eviction_window_is_walked_from_the_front(pool: BlockPool) -> None:
+    blocks = bp.allocate(pool, 3)
+    for i, b in enumerate(blocks):
+        bp.register(pool, b, _hash(40 + i), num_tokens=16 * (i + 1))
+    bp.release(pool, blocks)
+    bp.reorder(pool, [blocks[1], blocks[0]], first=True)  # 1, 0 first, then the others, 2 last
+    ids = {blocks[0].block_id, blocks[2].block_id}
+    # Before 1 other block: block 1 is first but not asked for, block 0 is next.
+    assert bp.in_eviction_window(pool, ids, 1) == []
+    assert bp.in_eviction_window(pool, ids, 2) == [blocks[0]]
+    assert bp.in_eviction_window(pool, ids, bp.num_free(pool)) == [blocks[0], blocks[2]]
+
+
 def test_engine_wakeup_path_exists() -> None:
     from vllm.v1.engine import EngineCoreRequestType
     from vllm.v1.engine.core import EngineCoreProc

@@ -1612,3 +1612,56 @@ def test_recomputed_next_turn_blocks_say_why(pool: BlockPool, clock: Clock) -> N
     resume(side, hashes, "r3")
     assert side.stats.counter("next_turn.recomputed_why.host_dropped") == 2
     assert side.stats.counter("next_turn.critical.prefix_tokens_recomputed") == 0  # not critical
+
+
+def _admit_after_critical_and_other_idle(
+    pool: BlockPool, clock: Clock, *, critical_last: bool, on_host: bool = False
+) -> tuple[SchedulerSide, list[bytes], list[bytes]]:
+    """A critical-path session away on a tool call (its chain idle, the older one in the free
+    queue), then a non-critical session's idle chain; a plain request allocates 12 of the 15
+    free blocks: the 9 never used plus 3 more."""
+    side = make_side(pool, clock, offload=False)
+    side.critical_last = critical_last
+    crit, other = chain("crit", 3), chain("other", 3)
+    finish_turn(side, pool, crit, "c1", session="run:C", next_tool=5.0, critical=True)
+    finish_turn(side, pool, other, "o1", session="run:O", next_tool=5.0)
+    side.handle_event(begin("sC", "run:C", predicted=5.0))
+    side.build_meta()
+    if on_host:
+        for h in crit:
+            (slot,) = side.host.allocate(1, "test")
+            side.host.commit(h, slot)
+    plain = request("p", chain("p", 1), 11 * BS, session=None)  # 11 blocks + 1
+    side.on_new_request(plain)
+    side.get_num_new_matched_tokens(plain, 0)
+    taken = bp.allocate(pool, 12)
+    side.update_state_after_alloc(plain, [], 0)
+    bp.release(pool, taken)
+    return side, crit, other
+
+
+def test_a_non_critical_admission_evicts_other_idle_blocks_before_a_critical_chain_not_on_host(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """With the spatial scheduler on, the critical chain (first in line by LRU) moves behind the
+    other session's: the plain request evicts that one instead; no critical inversion."""
+    side, crit, other = _admit_after_critical_and_other_idle(pool, clock, critical_last=True)
+    assert all(bp.cached_block(pool, h) is not None for h in crit)
+    assert all(bp.cached_block(pool, h) is None for h in other)
+    assert side.stats.counter("spatial.critical_spared_blocks") == 3
+    assert side.stats.counter("spatial.critical_inversions") == 0
+
+
+def test_without_the_spatial_scheduler_the_lru_order_stays(pool: BlockPool, clock: Clock) -> None:
+    side, crit, _other = _admit_after_critical_and_other_idle(pool, clock, critical_last=False)
+    assert all(bp.cached_block(pool, h) is None for h in crit)  # vLLM's LRU: the older chain goes
+    assert side.stats.counter("spatial.critical_inversions_unsaved") == 1
+
+
+def test_a_critical_chain_safe_on_host_keeps_its_place(pool: BlockPool, clock: Clock) -> None:
+    side, crit, _other = _admit_after_critical_and_other_idle(pool, clock, critical_last=True, on_host=True)
+    # Safe on host: a copy brings it back, so it keeps its place and goes first.
+    assert all(bp.cached_block(pool, h) is None for h in crit)
+    assert side.stats.counter("spatial.critical_spared_blocks") == 0
+    assert side.stats.counter("spatial.critical_inversions") == 1
+    assert side.stats.counter("spatial.critical_inversions_unsaved") == 0

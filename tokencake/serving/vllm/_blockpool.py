@@ -145,6 +145,21 @@ def blocks_ahead(pool: BlockPool, block_ids: set[int], limit: int) -> int:
     return n
 
 
+def in_eviction_window(pool: BlockPool, block_ids: set[int], n: int) -> list[KVCacheBlock]:
+    """The blocks of ``block_ids`` vLLM would evict before ``n`` other free blocks, front first."""
+    queue = pool.free_block_queue
+    block, tail = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail
+    found: list[KVCacheBlock] = []
+    others = 0
+    while block is not None and block is not tail and others < n:
+        if block.block_id in block_ids:
+            found.append(block)
+        else:
+            others += 1
+        block = block.next_free_block
+    return found
+
+
 def eviction_rank(pool: BlockPool, limit: int | None = None) -> dict[int, int]:
     """Block id → position in the free queue (0 = evicted next), for the first ``limit`` blocks."""
     out: dict[int, int] = {}
@@ -218,6 +233,7 @@ __all__ = [
     "eviction_rank",
     "find_engine_wakeup",
     "has_hash",
+    "in_eviction_window",
     "is_idle_cached",
     "key",
     "num_free",

@@ -921,14 +921,15 @@ class SchedulerSide:
         )
 
     def _make_room(self, request: Request, num_computed_tokens: int) -> None:
-        """A waiting request is about to be allocated: release holds it needs the blocks of.
+        """A waiting request is about to be allocated: release holds it needs the blocks of (and,
+        spatial scheduler on, keep critical chains not safe on host out of its eviction window).
 
         Runs inside vLLM's admission (before ``allocate_slots``), so a held chain never delays a
         request that could otherwise run; when even releasing every hold would not make it fit,
         nothing is released (the request waits for running ones either way).
         """
         pool = self.pool
-        if pool is None or not self._kept:
+        if pool is None or not (self._kept or (self.critical_last and len(self._critical_idle))):
             return
         info = self._reqs.get(request.request_id)
         own = info.session_id if info is not None else ""
@@ -939,7 +940,8 @@ class SchedulerSide:
             block = bp.cached_block(pool, bytes(h))
             evictable += block is not None and block.ref_cnt == 0
         need = -(-int(request.num_tokens) // self.block_size) - len(computed) + evictable + 1
-        if bp.num_free(pool) >= need:
+        self._spare_critical_chains(info, need)
+        if not self._kept or bp.num_free(pool) >= need:
             return
         arrived = self._arrival.get(request.request_id)
         waited = self.clock() - arrived if arrived is not None else math.inf  # re-admission: no reserve
@@ -952,6 +954,37 @@ class SchedulerSide:
                 self.stats.inc("spatial.reserve_denials")  # it would fit if the reserve were lent
             return
         self._release_kept_until(lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect)
+
+    def _spare_critical_chains(self, info: _ReqInfo | None, need: int) -> None:
+        """Critical-last for chains not safe on host: a non-critical or plain admission about to
+        allocate ``need`` blocks evicts other idle blocks before the idle chain of a critical-path
+        session that is away on a tool call (or whose next request waits) and has no host copy.
+
+        Such a chain's blocks inside the eviction window move to the back of the free queue:
+        losing them costs the critical path a recompute (a critical inversion), losing another
+        idle block costs at most a non-critical session's. Host-safe blocks stay where the
+        eviction order put them (first: a copy brings them back). Nothing is denied: when the
+        window holds nothing else the chain is evicted as before. Spatial scheduler only."""
+        pool = self.pool
+        if not self.critical_last or pool is None or (info is not None and info.critical):
+            return
+        if not len(self._critical_idle):
+            return
+        waiting = {i.session_id for rid in self._waiting if (i := self._reqs.get(rid)) is not None}
+        ids: set[int] = set()
+        for sid, hashes in self._critical_idle.items():
+            if sid not in waiting and self._active_stall(sid) is None:
+                continue  # not known to come back (its stall ended unseen or expired)
+            for h in hashes:
+                block = bp.cached_block(pool, h)
+                if block is not None and bp.is_idle_cached(block) and self.host.lookup(h) is None:
+                    ids.add(block.block_id)
+        if not ids:
+            return
+        spared = bp.in_eviction_window(pool, ids, need)
+        if spared:
+            moved = bp.reorder(pool, spared, first=False)
+            self.stats.inc("spatial.critical_spared_blocks", moved)
 
     def _protected_blocks(self, protect: frozenset[str]) -> int:
         return sum(k.releasable for k in self._kept.values() if k.session_id in protect)
