@@ -67,7 +67,18 @@ from dataclasses import dataclass, field
 
 from tokencake.events import RequestMeta
 
-__all__ = ["ADMISSIONS", "SpatialScorer", "SpatialWeights", "admission_weights", "demote_rank"]
+__all__ = [
+    "ADMISSIONS",
+    "CRITICAL_WATCH",
+    "SpatialScorer",
+    "SpatialWeights",
+    "admission_weights",
+    "demote_rank",
+]
+
+#: Critical-path sessions whose idle chains are watched (most recent): for critical inversions,
+#: and kept out of a non-critical admission's eviction window while not safe on host.
+CRITICAL_WATCH = 64
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from tokencake.serving.host_pool import HostPool, HostPoolExhausted, preemption_
 from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
-from tokencake.serving.spatial import demote_rank
+from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank
 
 if TYPE_CHECKING:
     from tokencake.sim.engine import Engine, Request, Session
@@ -507,6 +507,8 @@ class KVExtension:
         self._critical_idle[session_id] = keys
         for k in keys:
             self._watchers.setdefault(k, set()).add(session_id)
+        if len(self._critical_idle) > CRITICAL_WATCH:  # the connector watches the latest ones
+            self._unwatch(next(iter(self._critical_idle)))
 
     def _unwatch(self, session_id: str) -> None:
         for k in self._critical_idle.pop(session_id, ()):

@@ -58,7 +58,7 @@ from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.sessions import ByteLRU, SessionTracker, StallTransition, hashes_nbytes
-from tokencake.serving.spatial import demote_rank
+from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank
 from tokencake.serving.stats import Stats
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.metadata import CopyJob, JobKind, TokenCakeMetadata, TokenCakeWorkerMeta
@@ -73,8 +73,6 @@ log = logging.getLogger("vllm.tokencake")
 #: How often an otherwise idle engine steps while copies given up after ``job_timeout_s`` are
 #: still out (their late reports release device blocks and host slots).
 ABANDONED_POLL_S = 1.0
-#: Critical-path sessions whose idle chains are watched for critical inversions (most recent).
-CRITICAL_WATCH = 64
 #: Sessions whose last request was on the critical path (their stalls are demoted last).
 CRITICAL_SESSIONS = 4096
 #: Readiness of a session's blocks when its next request arrives (``readiness.*`` counters).
