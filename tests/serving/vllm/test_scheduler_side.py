@@ -178,6 +178,19 @@ def answer(side: SchedulerSide, meta: TokenCakeMetadata, ok: bool = True) -> Non
     side.on_worker_meta(TokenCakeWorkerMeta({j.job_id: JobResult(ok, 0.001, 0) for j in meta.jobs}))
 
 
+def put_on_host(side: SchedulerSide, hashes: list[bytes]) -> None:
+    """Host copies of ``hashes``, committed and unowned (as an earlier offload leaves them)."""
+    for h in hashes:
+        (slot,) = side.host.allocate(1, "test")
+        side.host.commit(h, slot)
+
+
+def inversions(side: SchedulerSide) -> tuple[int, ...]:
+    """Critical inversions and blocks evicted, then those of them not safe on host."""
+    names = ("inversions", "blocks_evicted", "inversions_unsaved", "blocks_evicted_unsaved")
+    return tuple(side.stats.counter(f"spatial.critical_{n}") for n in names)
+
+
 def evict_all(pool: BlockPool) -> None:
     bp.release(pool, bp.allocate(pool, bp.num_free(pool)))
 
@@ -1509,17 +1522,13 @@ def test_critical_inversion_when_a_non_critical_admission_evicts_critical_kv(
     assert side.stats.counter("spatial.critical_inversions") == 0
     # A plain request whose allocation takes the rest of C's idle chain is one; one of the two
     # blocks it took has a host copy, the other must be recomputed: an unsaved inversion.
-    (slot,) = side.host.allocate(1, "test")
-    side.host.commit(hashes[1], slot)
+    put_on_host(side, hashes[1:2])
     plain = request("p", chain("p", 2), 2 * BS, session=None)
     side.on_new_request(plain)
     side.get_num_new_matched_tokens(plain, 0)
     taken += bp.allocate(pool, 2)
     side.update_state_after_alloc(plain, [], 0)
-    assert side.stats.counter("spatial.critical_inversions") == 1
-    assert side.stats.counter("spatial.critical_blocks_evicted") == 2
-    assert side.stats.counter("spatial.critical_inversions_unsaved") == 1
-    assert side.stats.counter("spatial.critical_blocks_evicted_unsaved") == 1
+    assert inversions(side) == (1, 2, 1, 1)
     bp.release(pool, taken)
 
 
@@ -1531,18 +1540,13 @@ def test_a_critical_inversion_of_blocks_safe_on_host_costs_no_recompute(
     side = make_side(pool, clock, offload=False)
     hashes = chain("safe", 2)
     finish_turn(side, pool, hashes, "c1", session="run:C", next_tool=5.0, critical=True)
-    for h in hashes:
-        (slot,) = side.host.allocate(1, "test")
-        side.host.commit(h, slot)
+    put_on_host(side, hashes)
     other = request("o", chain("o", 1), BS + 1, session="run:O")
     side.on_new_request(other)
     side.get_num_new_matched_tokens(other, 0)
     taken = bp.allocate(pool, bp.num_free(pool))  # takes every idle block, the chain included
     side.update_state_after_alloc(other, [], 0)
-    assert side.stats.counter("spatial.critical_inversions") == 1
-    assert side.stats.counter("spatial.critical_blocks_evicted") == 2
-    assert side.stats.counter("spatial.critical_inversions_unsaved") == 0
-    assert side.stats.counter("spatial.critical_blocks_evicted_unsaved") == 0
+    assert inversions(side) == (1, 2, 0, 0)
     bp.release(pool, taken)
 
 
@@ -1628,9 +1632,7 @@ def _admit_after_critical_and_other_idle(
     side.handle_event(begin("sC", "run:C", predicted=5.0))
     side.build_meta()
     if on_host:
-        for h in crit:
-            (slot,) = side.host.allocate(1, "test")
-            side.host.commit(h, slot)
+        put_on_host(side, crit)
     plain = request("p", chain("p", 1), 11 * BS, session=None)  # 11 blocks + 1
     side.on_new_request(plain)
     side.get_num_new_matched_tokens(plain, 0)
