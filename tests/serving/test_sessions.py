@@ -338,3 +338,14 @@ def test_byte_lru_bounds_count_and_bytes() -> None:
     lru.put("huge", 0, 1000)  # a single entry over the bound stays (the newest is always kept)
     assert len(lru) == 1 and lru.nbytes == 1000 and lru.evicted == 4
     assert lru.pop("huge") == 0 and lru.nbytes == 0 and lru.pop("huge") is None
+
+
+def test_byte_lru_reports_what_its_bounds_push_out() -> None:
+    gone: list[tuple[str, int]] = []
+    lru: ByteLRU[str, int] = ByteLRU(max_items=2, max_bytes=100, on_evict=lambda k, v: gone.append((k, v)))
+    lru.put("a", 1, 10)
+    lru.put("b", 2, 10)
+    lru.pop("b")  # a pop is the caller's own: not reported
+    lru.put("c", 3, 10)
+    lru.put("d", 4, 10)
+    assert gone == [("a", 1)] and list(dict(lru.items())) == ["c", "d"]

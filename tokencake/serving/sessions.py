@@ -469,22 +469,28 @@ class ByteLRU(Generic[K, V]):
     until both bounds hold. Not thread-safe (single owner).
     """
 
-    def __init__(self, max_items: int, max_bytes: int) -> None:
+    def __init__(
+        self, max_items: int, max_bytes: int, on_evict: Callable[[K, V], None] | None = None
+    ) -> None:
+        """``on_evict(key, value)``: called for each entry the bounds push out (not on ``pop``)."""
         if max_items < 1 or max_bytes < 1:
             raise ValueError("ByteLRU bounds must be >= 1")
         self.max_items, self.max_bytes = max_items, max_bytes
         self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self.nbytes = 0
         self.evicted = 0
+        self._on_evict = on_evict
 
     def put(self, key: K, value: V, nbytes: int) -> None:
         self.pop(key)
         self._items[key] = (value, nbytes)
         self.nbytes += nbytes
         while len(self._items) > 1 and (len(self._items) > self.max_items or self.nbytes > self.max_bytes):
-            _k, (_v, n) = self._items.popitem(last=False)
+            k, (v, n) = self._items.popitem(last=False)
             self.nbytes -= n
             self.evicted += 1
+            if self._on_evict is not None:
+                self._on_evict(k, v)
 
     def get(self, key: K) -> V | None:
         entry = self._items.get(key)

@@ -114,11 +114,11 @@ def test_the_eviction_window_is_walked_from_the_front(pool: BlockPool) -> None:
         bp.register(pool, b, _hash(40 + i), num_tokens=16 * (i + 1))
     bp.release(pool, blocks)
     bp.reorder(pool, [blocks[1], blocks[0]], first=True)  # 1, 0 first, then the others, 2 last
-    ids = {blocks[0].block_id, blocks[2].block_id}
+    wanted = {_hash(40), _hash(42)}.__contains__  # blocks 0 and 2, by their bare block hash
     # Before 1 other block: block 1 is first but not asked for, block 0 is next.
-    assert bp.in_eviction_window(pool, ids, 1) == []
-    assert bp.in_eviction_window(pool, ids, 2) == [blocks[0]]
-    assert bp.in_eviction_window(pool, ids, bp.num_free(pool)) == [blocks[0], blocks[2]]
+    assert bp.in_eviction_window(pool, wanted, 1) == []
+    assert bp.in_eviction_window(pool, wanted, 2) == [blocks[0]]
+    assert bp.in_eviction_window(pool, wanted, bp.num_free(pool)) == [blocks[0], blocks[2]]
 
 
 def test_engine_wakeup_path_exists() -> None:

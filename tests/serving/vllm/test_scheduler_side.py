@@ -1667,3 +1667,19 @@ def test_a_critical_chain_safe_on_host_keeps_its_place(pool: BlockPool, clock: C
     assert side.stats.counter("spatial.critical_spared_blocks") == 0
     assert side.stats.counter("spatial.critical_inversions") == 1
     assert side.stats.counter("spatial.critical_inversions_unsaved") == 0
+
+
+def test_the_critical_hash_index_follows_the_watched_chains(pool: BlockPool, clock: Clock) -> None:
+    """Watched when a critical request with an announced tool call finishes; forgotten when its
+    session is admitted again or pushed out of the watch by newer ones."""
+    side = make_side(pool, clock, offload=False)
+    side._critical_idle.max_items = 2
+    chains = {sid: chain(sid, 2) for sid in ("run:A", "run:B", "run:C")}
+    for i, (sid, hashes) in enumerate(chains.items()):
+        finish_turn(side, pool, hashes, f"r{i}", session=sid, next_tool=5.0, critical=True)
+    assert set(side._critical_owners) == {*chains["run:B"], *chains["run:C"]}  # A pushed out
+    again = request("r9", [*chains["run:B"], *chain("b2", 1)], 3 * BS + 1, session="run:B")
+    side.on_new_request(again)
+    side.update_state_after_alloc(again, [], 0)
+    assert set(side._critical_owners) == set(chains["run:C"])
+    assert all(side._critical_owners[h] == {"run:C"} for h in chains["run:C"])

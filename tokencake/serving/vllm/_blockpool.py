@@ -65,6 +65,10 @@ def check() -> str | None:
     return None
 
 
+#: A prefix-cache key is the block hash followed by this many bytes of group id.
+GROUP_ID_BYTES = 4
+
+
 def key(block_hash: bytes, group_id: int = 0) -> bytes:
     """The prefix-cache key of one block hash in KV cache group ``group_id``."""
     return make_block_hash_with_group_id(block_hash, group_id)  # type: ignore[arg-type]
@@ -145,14 +149,16 @@ def blocks_ahead(pool: BlockPool, block_ids: set[int], limit: int) -> int:
     return n
 
 
-def in_eviction_window(pool: BlockPool, block_ids: set[int], n: int) -> list[KVCacheBlock]:
-    """The blocks of ``block_ids`` vLLM would evict before ``n`` other free blocks, front first."""
+def in_eviction_window(pool: BlockPool, wanted: Callable[[bytes], bool], n: int) -> list[KVCacheBlock]:
+    """The cached free blocks whose block hash is ``wanted`` that vLLM would evict before ``n``
+    other free blocks, front first (O(window))."""
     queue = pool.free_block_queue
     block, tail = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail
     found: list[KVCacheBlock] = []
     others = 0
     while block is not None and block is not tail and others < n:
-        if block.block_id in block_ids:
+        h = block.block_hash
+        if h is not None and wanted(bytes(h)[:-GROUP_ID_BYTES]):
             found.append(block)
         else:
             others += 1

@@ -338,8 +338,11 @@ class SchedulerSide:
         #: Idle chains of critical-path sessions (their request finished; the next one is not
         #: admitted yet), and their cached-block counts before a non-critical admission.
         self._critical_idle: ByteLRU[str, tuple[bytes, ...]] = ByteLRU(
-            max_items=CRITICAL_WATCH, max_bytes=16 << 20
+            max_items=CRITICAL_WATCH, max_bytes=16 << 20, on_evict=self._forget_critical_hashes
         )
+        #: Block hash → the watched critical sessions whose idle chain has it (the index a
+        #: non-critical admission's eviction window is checked against, O(window)).
+        self._critical_owners: dict[bytes, set[str]] = {}
         self._critical_before: dict[str, frozenset[bytes]] | None = None
         #: Sessions whose latest finished request was on the critical path (``_Stall.critical``).
         self._critical_sessions: ByteLRU[str, bool] = ByteLRU(max_items=CRITICAL_SESSIONS, max_bytes=1 << 20)
@@ -503,7 +506,7 @@ class SchedulerSide:
                 self._critical_sessions.pop(info.session_id)
             if info.critical and hashes and info.next_stall is not None:
                 # Only a session that announced a tool call is known to come back for its KV.
-                self._critical_idle.put(info.session_id, tuple(hashes), hashes_nbytes(hashes))
+                self._watch_critical(info.session_id, tuple(hashes))
             if info.derive_stalls and info.next_stall is not None:
                 self._begin_derived_stall(info, req_id)
         if (info is not None and info.next_stall is not None) or not self.policy.uses_events:
@@ -953,6 +956,25 @@ class SchedulerSide:
             return
         self._release_kept_until(lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect)
 
+    def _watch_critical(self, session_id: str, hashes: tuple[bytes, ...]) -> None:
+        self._unwatch_critical(session_id)
+        self._critical_idle.put(session_id, hashes, hashes_nbytes(hashes))  # may push out the oldest
+        for h in hashes:
+            self._critical_owners.setdefault(h, set()).add(session_id)
+
+    def _unwatch_critical(self, session_id: str) -> None:
+        hashes = self._critical_idle.pop(session_id)
+        if hashes is not None:
+            self._forget_critical_hashes(session_id, hashes)
+
+    def _forget_critical_hashes(self, session_id: str, hashes: tuple[bytes, ...]) -> None:
+        for h in hashes:
+            owners = self._critical_owners.get(h)
+            if owners is not None:
+                owners.discard(session_id)
+                if not owners:
+                    del self._critical_owners[h]
+
     def _spare_critical_chains(self, info: _ReqInfo | None, need: int) -> None:
         """Critical-last for chains not safe on host: a non-critical or plain admission about to
         allocate ``need`` blocks evicts other idle blocks before the idle chain of a critical-path
@@ -969,17 +991,18 @@ class SchedulerSide:
         if not len(self._critical_idle):
             return
         waiting = {i.session_id for rid in self._waiting if (i := self._reqs.get(rid)) is not None}
-        ids: set[int] = set()
-        for sid, hashes in self._critical_idle.items():
-            if sid not in waiting and self._active_stall(sid) is None:
-                continue  # not known to come back (its stall ended unseen or expired)
-            for h in hashes:
-                block = bp.cached_block(pool, h)
-                if block is not None and bp.is_idle_cached(block) and self.host.lookup(h) is None:
-                    ids.add(block.block_id)
-        if not ids:
-            return
-        spared = bp.in_eviction_window(pool, ids, need)
+        owners = self._critical_owners
+
+        def spare(h: bytes) -> bool:
+            sids = owners.get(h)
+            return (
+                bool(sids)
+                # Known to come back: away on a tool call, or its next request waits.
+                and any(sid in waiting or self._active_stall(sid) is not None for sid in sids)
+                and self.host.lookup(h) is None
+            )
+
+        spared = bp.in_eviction_window(pool, spare, need)
         if spared:
             moved = bp.reorder(pool, spared, first=False)
             self.stats.inc("spatial.critical_spared_blocks", moved)
@@ -1097,7 +1120,7 @@ class SchedulerSide:
                 if stall is not None:
                     stall.resumed = True
         if info is not None:
-            self._critical_idle.pop(info.session_id)  # its blocks are in use again
+            self._unwatch_critical(info.session_id)  # its blocks are in use again
         before, self._critical_before = self._critical_before, None
         if before is not None and (info is None or not info.critical):
             self._critical_before = self._count_inversions(before)  # the next admission's baseline
