@@ -160,6 +160,7 @@ class KVExtension:
         # sessions watching each key (the connector's ``_critical_idle``).
         self._critical_idle: dict[str, tuple[bytes, ...]] = {}
         self._watchers: dict[bytes, set[str]] = {}
+        self._critical_until: dict[str, float] = {}  # expected back (stall seen or not) until
 
     @property
     def now(self) -> float:
@@ -502,15 +503,17 @@ class KVExtension:
         self._release_holds_until(lambda: self.cache.num_free >= need, "room", spare=own, protect=protect)
 
     # ------------------------------------------------------------------ critical inversions
-    def _watch(self, session_id: str, keys: tuple[bytes, ...]) -> None:
+    def _watch(self, session_id: str, keys: tuple[bytes, ...], until: float) -> None:
         self._unwatch(session_id)
         self._critical_idle[session_id] = keys
+        self._critical_until[session_id] = until
         for k in keys:
             self._watchers.setdefault(k, set()).add(session_id)
         if len(self._critical_idle) > CRITICAL_WATCH:  # the connector watches the latest ones
             self._unwatch(next(iter(self._critical_idle)))
 
     def _unwatch(self, session_id: str) -> None:
+        self._critical_until.pop(session_id, None)
         for k in self._critical_idle.pop(session_id, ()):
             sids = self._watchers.get(k)
             if sids is not None:
@@ -527,6 +530,7 @@ class KVExtension:
         assert self.engine is not None
         waiting = {r.session.session_id for r in self.engine.waiting}
         cache, watchers, found, others = self.cache, self._watchers, [], 0
+        until, now, active = self._critical_until, self.now, self._session_stall
         for b in cache.free:
             if others >= need:
                 break
@@ -534,7 +538,7 @@ class KVExtension:
             sids = watchers.get(k) if k is not None else None
             if (
                 sids
-                and any(sid in self._session_stall or sid in waiting for sid in sids)
+                and any(now < until.get(sid, 0.0) or sid in active or sid in waiting for sid in sids)
                 and self.host.lookup(k) is None  # type: ignore[arg-type]
             ):
                 found.append(b)
@@ -714,7 +718,8 @@ class KVExtension:
         critical = req.priority == 0
         self._critical[session.session_id] = critical
         if critical and keys and req.next_tool is not None:
-            self._watch(session.session_id, tuple(keys))  # type: ignore[arg-type]
+            until = self.now + self._expiry(req.next_tool[1] or 0.0)
+            self._watch(session.session_id, tuple(keys), until)  # type: ignore[arg-type]
         else:
             self._unwatch(session.session_id)
         chain = self._chain(keys)

@@ -1619,17 +1619,26 @@ def test_recomputed_next_turn_blocks_say_why(pool: BlockPool, clock: Clock) -> N
 
 
 def _admit_after_critical_and_other_idle(
-    pool: BlockPool, clock: Clock, *, critical_last: bool, on_host: bool = False
+    pool: BlockPool,
+    clock: Clock,
+    *,
+    critical_last: bool,
+    on_host: bool = False,
+    stall: bool = True,
+    silent_s: float = 0.0,
 ) -> tuple[SchedulerSide, list[bytes], list[bytes]]:
     """A critical-path session away on a tool call (its chain idle, the older one in the free
     queue), then a non-critical session's idle chain; a plain request allocates 12 of the 15
-    free blocks: the 9 never used plus 3 more."""
+    free blocks: the 9 never used plus 3 more. ``stall=False``: the critical session's
+    ``stall_begin`` never came, and ``silent_s`` passed before the plain request."""
     side = make_side(pool, clock, offload=False)
     side.critical_last = critical_last
     crit, other = chain("crit", 3), chain("other", 3)
     finish_turn(side, pool, crit, "c1", session="run:C", next_tool=5.0, critical=True)
     finish_turn(side, pool, other, "o1", session="run:O", next_tool=5.0)
-    side.handle_event(begin("sC", "run:C", predicted=5.0))
+    if stall:
+        side.handle_event(begin("sC", "run:C", predicted=5.0))
+    clock.t += silent_s
     side.build_meta()
     if on_host:
         put_on_host(side, crit)
@@ -1683,3 +1692,22 @@ def test_the_critical_hash_index_follows_the_watched_chains(pool: BlockPool, clo
     side.update_state_after_alloc(again, [], 0)
     assert set(side._critical_owners) == set(chains["run:C"])
     assert all(side._critical_owners[h] == {"run:C"} for h in chains["run:C"])
+
+
+def test_a_critical_chain_is_spared_before_its_stall_begins_not_after_it_went_silent(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """The request announced its tool call: the chain is expected back even before the stall event
+    arrives — but not once the announced call's stall expiry has passed with no sign of it."""
+    side, crit, _other = _admit_after_critical_and_other_idle(pool, clock, critical_last=True, stall=False)
+    assert all(bp.cached_block(pool, h) is not None for h in crit)
+    assert side.stats.counter("spatial.critical_spared_blocks") == 3
+
+
+def test_a_silent_critical_session_is_not_spared(pool: BlockPool, clock: Clock) -> None:
+    gone = 61.0  # past the 5 s tool's stall expiry (at least expiry_min_s = 60 s)
+    side, crit, _other = _admit_after_critical_and_other_idle(
+        pool, clock, critical_last=True, stall=False, silent_s=gone
+    )
+    assert all(bp.cached_block(pool, h) is None for h in crit)
+    assert side.stats.counter("spatial.critical_spared_blocks") == 0

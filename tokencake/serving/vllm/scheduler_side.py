@@ -343,6 +343,9 @@ class SchedulerSide:
         #: Block hash → the watched critical sessions whose idle chain has it (the index a
         #: non-critical admission's eviction window is checked against, O(window)).
         self._critical_owners: dict[bytes, set[str]] = {}
+        #: Watched session → until when it is expected back without a stall or request seen
+        #: (its finish + the announced tool's stall expiry).
+        self._critical_until: dict[str, float] = {}
         self._critical_before: dict[str, frozenset[bytes]] | None = None
         #: Sessions whose latest finished request was on the critical path (``_Stall.critical``).
         self._critical_sessions: ByteLRU[str, bool] = ByteLRU(max_items=CRITICAL_SESSIONS, max_bytes=1 << 20)
@@ -506,7 +509,8 @@ class SchedulerSide:
                 self._critical_sessions.pop(info.session_id)
             if info.critical and hashes and info.next_stall is not None:
                 # Only a session that announced a tool call is known to come back for its KV.
-                self._watch_critical(info.session_id, tuple(hashes))
+                until = self.clock() + self._expiry(info.next_stall.predicted_s or 0.0)
+                self._watch_critical(info.session_id, tuple(hashes), until)
             if info.derive_stalls and info.next_stall is not None:
                 self._begin_derived_stall(info, req_id)
         if (info is not None and info.next_stall is not None) or not self.policy.uses_events:
@@ -956,9 +960,10 @@ class SchedulerSide:
             return
         self._release_kept_until(lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect)
 
-    def _watch_critical(self, session_id: str, hashes: tuple[bytes, ...]) -> None:
+    def _watch_critical(self, session_id: str, hashes: tuple[bytes, ...], until: float) -> None:
         self._unwatch_critical(session_id)
         self._critical_idle.put(session_id, hashes, hashes_nbytes(hashes))  # may push out the oldest
+        self._critical_until[session_id] = until
         for h in hashes:
             self._critical_owners.setdefault(h, set()).add(session_id)
 
@@ -968,6 +973,7 @@ class SchedulerSide:
             self._forget_critical_hashes(session_id, hashes)
 
     def _forget_critical_hashes(self, session_id: str, hashes: tuple[bytes, ...]) -> None:
+        self._critical_until.pop(session_id, None)
         for h in hashes:
             owners = self._critical_owners.get(h)
             if owners is not None:
@@ -978,7 +984,8 @@ class SchedulerSide:
     def _spare_critical_chains(self, info: _ReqInfo | None, need: int) -> None:
         """Critical-last for chains not safe on host: a non-critical or plain admission about to
         allocate ``need`` blocks evicts other idle blocks before the idle chain of a critical-path
-        session that is away on a tool call (or whose next request waits) and has no host copy.
+        session that is expected back (it announced a tool call: until that call's stall expiry,
+        while the tool runs, or while its next request waits) and has no host copy.
 
         Such a chain's blocks inside the eviction window move to the back of the free queue:
         losing them costs the critical path a recompute (a critical inversion), losing another
@@ -991,16 +998,16 @@ class SchedulerSide:
         if not len(self._critical_idle):
             return
         waiting = {i.session_id for rid in self._waiting if (i := self._reqs.get(rid)) is not None}
-        owners = self._critical_owners
+        owners, until, now = self._critical_owners, self._critical_until, self.clock()
+
+        def back(sid: str) -> bool:
+            """Expected back: its stall_begin may not have come yet, the tool runs, or its next
+            request waits — not a session gone silent past the announced tool's expiry."""
+            return now < until.get(sid, 0.0) or sid in waiting or self._active_stall(sid) is not None
 
         def spare(h: bytes) -> bool:
             sids = owners.get(h)
-            return (
-                bool(sids)
-                # Known to come back: away on a tool call, or its next request waits.
-                and any(sid in waiting or self._active_stall(sid) is not None for sid in sids)
-                and self.host.lookup(h) is None
-            )
+            return bool(sids) and any(back(sid) for sid in sids) and self.host.lookup(h) is None
 
         spared = bp.in_eviction_window(pool, spare, need)
         if spared:
@@ -1735,15 +1742,15 @@ class SchedulerSide:
             moved = bp.reorder(self.pool, self._chain_blocks(stall, on_host_only=False), first=False)
             self.stats.inc("evict_order.promoted_blocks", moved)
 
+    def _expiry(self, predicted_s: float) -> float:
+        """How long a stall predicted to last ``predicted_s`` may go without its end."""
+        o = self.opts
+        return stall_expiry_s(predicted_s, factor=o.expiry_factor, min_s=o.expiry_min_s, max_s=o.expiry_max_s)
+
     def _tick_stall(self, stall: _Stall, now: float) -> None:
         if stall.next_eval <= now and stall.ended_at is None:
             self._evaluate(stall, now)
-        expiry = stall_expiry_s(
-            stall.predicted_s,
-            factor=self.opts.expiry_factor,
-            min_s=self.opts.expiry_min_s,
-            max_s=self.opts.expiry_max_s,
-        )
+        expiry = self._expiry(stall.predicted_s)
         if not stall.offloaded and now - stall.begin_at >= expiry:  # offloaded: the planner expires it
             self._stalls.pop(stall.stall_id, None)
             self._forget_active(stall)
@@ -2024,12 +2031,7 @@ class SchedulerSide:
         if stall.ended_at is not None:
             until = stall.ended_at + self.opts.keep_after_end_s
         else:
-            until = stall.begin_at + stall_expiry_s(
-                stall.predicted_s,
-                factor=self.opts.expiry_factor,
-                min_s=self.opts.expiry_min_s,
-                max_s=self.opts.expiry_max_s,
-            )
+            until = stall.begin_at + self._expiry(stall.predicted_s)
         self._keep(job.session_id, chain, until, now, rank=stall.returns_at, kind="hold")
 
     def _complete_load(self, job: _Job, ok: bool) -> None:
