@@ -42,6 +42,10 @@ def test_render_formats_and_errors(tmp_path: Path) -> None:
         render("<!--bench r.json a|missing .2f-->1<!--/bench-->", tmp_path)
     with pytest.raises(ClaimError, match="not found"):
         render("<!--bench nope.json a .2f-->1<!--/bench-->", tmp_path)
+    (tmp_path / "l.json").write_text(json.dumps({"points": [1.0, 2.0]}))
+    assert render("<!--bench l.json points|-1 .1f-->x<!--/bench-->", tmp_path).count("2.0") == 1
+    with pytest.raises(ClaimError, match="does not resolve"):  # a list index out of range
+        render("<!--bench l.json points|4 .1f-->x<!--/bench-->", tmp_path)
 
 
 def test_check_and_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

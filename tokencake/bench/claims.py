@@ -44,7 +44,7 @@ def _load(path: Path) -> Any:
 def _walk(data: Any, path: str, where: str) -> Any:
     node = data
     for part in path.split("|"):
-        if isinstance(node, list) and part.lstrip("-").isdigit():
+        if isinstance(node, list) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
             node = node[int(part)]
         elif isinstance(node, dict) and part in node:
             node = node[part]
