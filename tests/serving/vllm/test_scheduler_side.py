@@ -1711,3 +1711,27 @@ def test_a_silent_critical_session_is_not_spared(pool: BlockPool, clock: Clock) 
     )
     assert all(bp.cached_block(pool, h) is None for h in crit)
     assert side.stats.counter("spatial.critical_spared_blocks") == 0
+
+
+def test_a_chain_cut_before_the_stall_was_decided_names_the_finish_decision(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """The finish found no pressure (and no host room to spare), the chain was evicted before
+    ``stall_begin``: the resumed turn's recompute is ``lost_before_decision``, after ``no_pressure``."""
+    side = make_side(pool, clock, host_blocks=1, prefetch=False)
+    side.gate.usage_threshold = 0.99  # an idle engine: no pressure
+    side.max_step_tokens = BS
+    hashes = chain("cut", 2)
+    finish_turn(side, pool, hashes, next_tool=10.0)
+    assert side.stats.counter("early_save.decision.no_pressure") == 1
+    evict_all(pool)  # before stall_begin reaches the engine
+    side.handle_event(begin(predicted=10.0))
+    side.build_meta()
+    side.handle_event(end())
+    side.build_meta()
+    req = request("r2", [*hashes, *chain("r2", 1)], 3 * BS + 1)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 0
+    side.update_state_after_alloc(req, [], 0)
+    assert side.stats.counter("next_turn.recomputed_why.lost_before_decision") == 2
+    assert side.stats.counter("next_turn.lost_before_decision_after.no_pressure") == 2

@@ -158,6 +158,9 @@ class _Stall:
     #: How much of the chain was still on device or host when the stall was first decided (None:
     #: not decided yet): what was lost before then no decision could have saved.
     chain_at_decision: int | None = None
+    #: What the session's announcing request decided when it finished (``early_save.decision``;
+    #: None: no at-finish decision): the cause behind a chain cut before the stall's first decision.
+    finish_decision: str | None = None
 
     @property
     def returns_at(self) -> float:
@@ -372,6 +375,8 @@ class SchedulerSide:
         #: Sessions whose at-finish save committed before their stall began: their host copies are
         #: pinned (owner ``finish:<session>``) until the stall pins them, or this deadline.
         self._finish_pins: dict[str, float] = {}
+        #: Session → its latest at-finish decision, until its stall begins (``_Stall.finish_decision``).
+        self._finish_decision: ByteLRU[str, str] = ByteLRU(max_items=CRITICAL_SESSIONS, max_bytes=1 << 20)
         #: Request id -> arrival time (the queueing delay policies learn from).
         self._arrival: dict[str, float] = {}
         self.stats.register("host_pool", self.host.stats)
@@ -784,6 +789,8 @@ class SchedulerSide:
             plan = Plan("none", "disabled")
         self.stats.inc(f"early_save.decision.{plan.reason}")
         self._count_plan("finish", plan)
+        if session_id:
+            self._finish_decision.put(session_id, plan.reason, 1)
         if plan.action == "keep" and session_id:
             self._keep(session_id, chain, now + plan.keep_s, now)
             return
@@ -794,6 +801,8 @@ class SchedulerSide:
             job = self._plan_offload(chain, stall_id=None, session_id=session_id, returns_at=now + predicted)
         except HostPoolExhausted:
             self.stats.inc("early_save.host_pool_full")
+            if session_id:
+                self._finish_decision.put(session_id, "host_pool_full", 1)
             return
         if job is not None:
             self.stats.inc("early_save.jobs")
@@ -1236,6 +1245,8 @@ class SchedulerSide:
                 why = "not_asked"
             elif i >= stall.chain_at_decision:
                 why = "lost_before_decision"
+                # ... after the finish decided this (the save that would have kept it did not happen).
+                self.stats.inc(f"next_turn.lost_before_decision_after.{stall.finish_decision or 'none'}")
             elif not stall.offloaded:
                 why = f"not_saved.{stall.decision}"
             else:
@@ -1466,6 +1477,7 @@ class SchedulerSide:
                 tuple(hashes),
                 known=tr.blocks is not None,
                 critical=bool(self._critical_sessions.get(ev.session_id)),
+                finish_decision=self._finish_decision.pop(ev.session_id),
             )
             stall.lead_s = (
                 self.transfer.estimate("h2d", len(hashes) * self.block_bytes) + self.opts.prefetch_margin_s
