@@ -158,9 +158,8 @@ class KVExtension:
         self._critical: dict[str, bool] = {}  # session -> its last request was critical
         # Critical-path sessions whose idle chain is watched for critical inversions, and the
         # sessions watching each key (the connector's ``_critical_idle``).
-        self._critical_idle: dict[str, tuple[bytes, ...]] = {}
+        self._critical_idle: dict[str, tuple[tuple[bytes, ...], float]] = {}  # (keys, expected back until)
         self._watchers: dict[bytes, set[str]] = {}
-        self._critical_until: dict[str, float] = {}  # expected back (stall seen or not) until
 
     @property
     def now(self) -> float:
@@ -505,16 +504,15 @@ class KVExtension:
     # ------------------------------------------------------------------ critical inversions
     def _watch(self, session_id: str, keys: tuple[bytes, ...], until: float) -> None:
         self._unwatch(session_id)
-        self._critical_idle[session_id] = keys
-        self._critical_until[session_id] = until
+        self._critical_idle[session_id] = (keys, until)
         for k in keys:
             self._watchers.setdefault(k, set()).add(session_id)
         if len(self._critical_idle) > CRITICAL_WATCH:  # the connector watches the latest ones
             self._unwatch(next(iter(self._critical_idle)))
 
     def _unwatch(self, session_id: str) -> None:
-        self._critical_until.pop(session_id, None)
-        for k in self._critical_idle.pop(session_id, ()):
+        keys, _until = self._critical_idle.pop(session_id, ((), 0.0))
+        for k in keys:
             sids = self._watchers.get(k)
             if sids is not None:
                 sids.discard(session_id)
@@ -528,19 +526,24 @@ class KVExtension:
         if not self.critical_last or req.priority == 0 or not self._watchers:
             return
         assert self.engine is not None
-        waiting = {r.session.session_id for r in self.engine.waiting}
+        engine, watched, now, active = self.engine, self._critical_idle, self.now, self._session_stall
+        waiting: set[str] | None = None  # built only if a watched block is in the window
+
+        def back(sid: str) -> bool:
+            nonlocal waiting
+            if now < watched[sid][1] or sid in active:
+                return True
+            if waiting is None:
+                waiting = {r.session.session_id for r in engine.waiting}
+            return sid in waiting
+
         cache, watchers, found, others = self.cache, self._watchers, [], 0
-        until, now, active = self._critical_until, self.now, self._session_stall
         for b in cache.free:
             if others >= need:
                 break
             k = cache.key[b]
             sids = watchers.get(k) if k is not None else None
-            if (
-                sids
-                and any(now < until.get(sid, 0.0) or sid in active or sid in waiting for sid in sids)
-                and self.host.lookup(k) is None  # type: ignore[arg-type]
-            ):
+            if sids and any(back(sid) for sid in sids) and self.host.lookup(k) is None:  # type: ignore[arg-type]
                 found.append(b)
             else:
                 others += 1

@@ -45,7 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -166,6 +166,15 @@ class _Stall:
     def returns_at(self) -> float:
         """Predicted end of the tool call (server clock)."""
         return self.begin_at + self.predicted_s
+
+
+class _Watch(NamedTuple):
+    """A critical-path session's idle chain, watched until its next request is admitted."""
+
+    hashes: tuple[bytes, ...]
+    #: Until when it is expected back even with no stall or request seen (its finish + the
+    #: announced tool's stall expiry).
+    until: float
 
 
 @dataclass
@@ -340,15 +349,12 @@ class SchedulerSide:
         self._was_waiting = False  # whether requests waited at the last step (re-ask on change)
         #: Idle chains of critical-path sessions (their request finished; the next one is not
         #: admitted yet), and their cached-block counts before a non-critical admission.
-        self._critical_idle: ByteLRU[str, tuple[bytes, ...]] = ByteLRU(
+        self._critical_idle: ByteLRU[str, _Watch] = ByteLRU(
             max_items=CRITICAL_WATCH, max_bytes=16 << 20, on_evict=self._forget_critical_hashes
         )
         #: Block hash → the watched critical sessions whose idle chain has it (the index a
         #: non-critical admission's eviction window is checked against, O(window)).
         self._critical_owners: dict[bytes, set[str]] = {}
-        #: Watched session → until when it is expected back without a stall or request seen
-        #: (its finish + the announced tool's stall expiry).
-        self._critical_until: dict[str, float] = {}
         self._critical_before: dict[str, frozenset[bytes]] | None = None
         #: Sessions whose latest finished request was on the critical path (``_Stall.critical``).
         self._critical_sessions: ByteLRU[str, bool] = ByteLRU(max_items=CRITICAL_SESSIONS, max_bytes=1 << 20)
@@ -971,19 +977,18 @@ class SchedulerSide:
 
     def _watch_critical(self, session_id: str, hashes: tuple[bytes, ...], until: float) -> None:
         self._unwatch_critical(session_id)
-        self._critical_idle.put(session_id, hashes, hashes_nbytes(hashes))  # may push out the oldest
-        self._critical_until[session_id] = until
+        # May push out the oldest watch (``on_evict`` keeps the index in step).
+        self._critical_idle.put(session_id, _Watch(hashes, until), hashes_nbytes(hashes))
         for h in hashes:
             self._critical_owners.setdefault(h, set()).add(session_id)
 
     def _unwatch_critical(self, session_id: str) -> None:
-        hashes = self._critical_idle.pop(session_id)
-        if hashes is not None:
-            self._forget_critical_hashes(session_id, hashes)
+        watch = self._critical_idle.pop(session_id)
+        if watch is not None:
+            self._forget_critical_hashes(session_id, watch)
 
-    def _forget_critical_hashes(self, session_id: str, hashes: tuple[bytes, ...]) -> None:
-        self._critical_until.pop(session_id, None)
-        for h in hashes:
+    def _forget_critical_hashes(self, session_id: str, watch: _Watch) -> None:
+        for h in watch.hashes:
             owners = self._critical_owners.get(h)
             if owners is not None:
                 owners.discard(session_id)
@@ -1004,15 +1009,21 @@ class SchedulerSide:
         pool = self.pool
         if not self.critical_last or pool is None or (info is not None and info.critical):
             return
-        if not len(self._critical_idle):
+        owners, now = self._critical_owners, self.clock()
+        if not owners:
             return
-        waiting = {i.session_id for rid in self._waiting if (i := self._reqs.get(rid)) is not None}
-        owners, until, now = self._critical_owners, self._critical_until, self.clock()
+        waiting: set[str] | None = None  # built only if a watched block is in the window
 
         def back(sid: str) -> bool:
             """Expected back: its stall_begin may not have come yet, the tool runs, or its next
             request waits — not a session gone silent past the announced tool's expiry."""
-            return now < until.get(sid, 0.0) or sid in waiting or self._active_stall(sid) is not None
+            nonlocal waiting
+            watch = self._critical_idle.get(sid)
+            if (watch is not None and now < watch.until) or self._active_stall(sid) is not None:
+                return True
+            if waiting is None:
+                waiting = {i.session_id for rid in self._waiting if (i := self._reqs.get(rid)) is not None}
+            return sid in waiting
 
         def spare(h: bytes) -> bool:
             sids = owners.get(h)
@@ -1185,8 +1196,8 @@ class SchedulerSide:
         if pool is None:
             return {}
         return {
-            sid: frozenset(h for h in hashes if bp.cached_block(pool, h) is not None)
-            for sid, hashes in self._critical_idle.items()
+            sid: frozenset(h for h in watch.hashes if bp.cached_block(pool, h) is not None)
+            for sid, watch in self._critical_idle.items()
         }
 
     def _count_inversions(self, before: dict[str, frozenset[bytes]]) -> dict[str, frozenset[bytes]]:
