@@ -7,7 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencake.events import GraphMeta, RequestMeta
-from tokencake.serving.spatial import SpatialScorer, SpatialWeights, admission_weights, demote_rank
+from tokencake.serving.spatial import (
+    SpatialScorer,
+    SpatialWeights,
+    admission_weights,
+    demote_rank,
+    reserved_sessions,
+)
 
 
 def meta(
@@ -223,3 +229,10 @@ def test_demote_rank_evicts_non_critical_first_then_the_latest_return() -> None:
     }
     evicted_first = sorted(chains, key=chains.__getitem__, reverse=True)
     assert evicted_first == ["other-late", "other-soon", "crit-late", "crit-soon"]
+
+
+def test_the_reserve_takes_the_soonest_critical_returns_while_they_fit() -> None:
+    holds = [("late", 30.0, 2), ("soon", 10.0, 3), ("mid", 20.0, 4)]
+    assert reserved_sessions(holds, 7) == {"soon", "mid"}
+    assert reserved_sessions(holds, 6) == {"soon"}  # "mid" does not fit: nothing after it either
+    assert reserved_sessions(holds, 2) == frozenset() and reserved_sessions([], 10) == frozenset()

@@ -63,6 +63,7 @@ Pure Python (no vLLM): ``tokencake/serving/vllm/scheduler.py`` applies it inside
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokencake.events import RequestMeta
@@ -74,6 +75,7 @@ __all__ = [
     "SpatialWeights",
     "admission_weights",
     "demote_rank",
+    "reserved_sessions",
 ]
 
 #: Critical-path sessions whose idle chains are watched (most recent): for critical inversions,
@@ -146,6 +148,19 @@ ADMISSIONS: dict[str, SpatialWeights] = {
 def admission_weights(name: str | None) -> SpatialWeights:
     """The weights of admission order ``name`` (unknown or None: the spatial score's)."""
     return ADMISSIONS.get(name or "spatial", ADMISSIONS["spatial"])
+
+
+def reserved_sessions(critical_holds: Iterable[tuple[str, float, int]], cap_blocks: int) -> frozenset[str]:
+    """The critical reserve: of the critical-path sessions' holds ``(session, returns at,
+    releasable blocks)``, those returning soonest while their blocks fit in ``cap_blocks``."""
+    out: list[str] = []
+    used = 0
+    for session_id, _returns_at, n in sorted(critical_holds, key=lambda h: h[1]):
+        if used + n > cap_blocks:
+            break
+        used += n
+        out.append(session_id)
+    return frozenset(out)
 
 
 def demote_rank(*, critical: bool, returns_at: float) -> tuple[int, float]:

@@ -29,7 +29,7 @@ from tokencake.serving.host_pool import HostPool, HostPoolExhausted, preemption_
 from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
-from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank
+from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank, reserved_sessions
 
 if TYPE_CHECKING:
     from tokencake.sim.engine import Engine, Request, Session
@@ -470,15 +470,13 @@ class KVExtension:
         if self.now - req.arrival >= self.opts.critical_reserve_wait_s:
             return frozenset()
         cap = int(self.opts.critical_reserve_frac * self.cache.num_blocks)
-        out: list[str] = []
-        used = 0
-        for held in sorted((h for h in self._holds.values() if h.critical), key=lambda h: h.rank):
-            n = sum(self.cache.ref[b] == 1 for b in held.blocks)
-            if used + n > cap:
-                break
-            used += n
-            out.append(held.session_id)
-        return frozenset(out)
+        ref = self.cache.ref
+        holds = (
+            (h.session_id, h.rank, sum(ref[b] == 1 for b in h.blocks))
+            for h in self._holds.values()
+            if h.critical
+        )
+        return reserved_sessions(holds, cap)
 
     def _reserve(self) -> int:
         return max(

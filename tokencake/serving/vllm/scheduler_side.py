@@ -58,7 +58,7 @@ from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.sessions import ByteLRU, SessionTracker, StallTransition, hashes_nbytes
-from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank
+from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank, reserved_sessions
 from tokencake.serving.stats import Stats
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.metadata import CopyJob, JobKind, TokenCakeMetadata, TokenCakeWorkerMeta
@@ -900,15 +900,9 @@ class SchedulerSide:
         if waited_s >= self.opts.critical_reserve_wait_s:
             return frozenset()
         cap = int(self.opts.critical_reserve_frac * self.pool.num_gpu_blocks)
-        out: list[str] = []
-        used = 0
-        for held in sorted((k for k in self._kept.values() if k.critical), key=lambda k: k.rank):
-            n = held.releasable
-            if used + n > cap:
-                break
-            used += n
-            out.append(held.session_id)
-        return frozenset(out)
+        return reserved_sessions(
+            ((k.session_id, k.rank, k.releasable) for k in self._kept.values() if k.critical), cap
+        )
 
     def reserved_blocks(self) -> int:
         """Device blocks held for critical-path sessions now (the reserve in use)."""
