@@ -78,6 +78,8 @@ class Request:
     seen_at: float | None = None
     #: Blocks it counts for in the queue's demand while it waits (0 when not queued).
     queued_blocks: int = 0
+    #: It waited at least one step for the critical reserve.
+    reserve_waited: bool = False
     #: Its app (the spatial score's app age); "" = a plain request.
     run_id: str = ""
     #: Its place in the waiting queue (lowest first), set when queued.
@@ -278,10 +280,11 @@ class Engine:
                 self.ext.make_room(req, need)
             if need > self.cache.num_free:
                 break
+            if self.ext is not None and self.ext.spare_critical_chains(req, need):
+                skipped.append(self._dequeue())  # it waits a step for the critical reserve
+                continue
             self._dequeue()
             self.cache.touch(hit)
-            if self.ext is not None:
-                self.ext.spare_critical_chains(req, want)
             req.blocks = hit + self.cache.allocate(want)
             if self.ext is not None and self.cache.last_evicted:
                 self.ext.on_allocated(req, self.cache.last_evicted)

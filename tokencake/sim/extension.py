@@ -517,15 +517,26 @@ class KVExtension:
                 if not sids:
                     del self._watchers[k]
 
-    def spare_critical_chains(self, req: Request, need: int) -> None:
+    def spare_critical_chains(self, req: Request, need: int) -> bool:
         """The connector's ``_spare_critical_chains``: before a non-critical admission allocates
         ``need`` blocks, the idle blocks of critical-path chains away on a tool call (or whose
-        request waits) that have no host copy and sit in the eviction window move to the back."""
+        request waits) that have no host copy and sit in the eviction window move to the back;
+        from an admission that may wait for the critical reserve (within its slack and
+        ``critical_reserve_wait_s``, while requests run) the host-safe ones too, and if one is
+        still in the window it waits a step (True)."""
         if not self.critical_last or req.priority == 0 or not self._watchers:
-            return
+            return False
         assert self.engine is not None
         engine, watched, now, active = self.engine, self._critical_idle, self.now, self._session_stall
         waiting: set[str] | None = None  # built only if a watched block is in the window
+        o = self.opts
+        seen = req.seen_at if req.seen_at is not None else now
+        may_wait = (
+            o.critical_reserve_frac > 0
+            and bool(engine.running)
+            and req.admitted_at is None
+            and now - seen < min(float(req.priority), o.critical_reserve_wait_s)
+        )
 
         def back(sid: str) -> bool:
             nonlocal waiting
@@ -535,18 +546,40 @@ class KVExtension:
                 waiting = {r.session.session_id for r in engine.waiting}
             return sid in waiting
 
-        cache, watchers, found, others = self.cache, self._watchers, [], 0
+        def reserved(k: Any) -> bool:
+            sids = self._watchers.get(k) if k is not None else None
+            return bool(sids) and any(back(sid) for sid in sids)
+
+        def spare(k: Any) -> bool:
+            return reserved(k) and (may_wait or self.host.lookup(k) is None)
+
+        found = self._eviction_window(spare, need)
+        if found:
+            self.stats["spatial.critical_spared_blocks"] += self.cache.move(found, front=False)
+        if (
+            not may_wait
+            or not found
+            or self.cache.num_free < need
+            or not self._eviction_window(reserved, need)
+        ):
+            return False
+        self.stats["spatial.critical_reserve_waits"] += 1
+        if not req.reserve_waited:
+            req.reserve_waited = True
+            self.stats["spatial.critical_reserve_waited_requests"] += 1
+        return True
+
+    def _eviction_window(self, wanted: Any, need: int) -> list[Any]:
+        """The free blocks whose key is ``wanted`` evicted before ``need`` others, front first."""
+        cache, found, others = self.cache, [], 0
         for b in cache.free:
             if others >= need:
                 break
-            k = cache.key[b]
-            sids = watchers.get(k) if k is not None else None
-            if sids and any(back(sid) for sid in sids) and self.host.lookup(k) is None:  # type: ignore[arg-type]
+            if wanted(cache.key[b]):
                 found.append(b)
             else:
                 others += 1
-        if found:
-            self.stats["spatial.critical_spared_blocks"] += cache.move(found, front=False)
+        return found
 
     def on_allocated(self, req: Request, evicted: list[Any]) -> None:
         """A waiting request was allocated blocks, evicting the cached ``evicted`` keys: a

@@ -52,13 +52,16 @@ def request(
     next_tool: float | None = None,
     events: bool = True,
     critical: bool = False,
+    slack: float | None = None,
 ) -> Any:
     """A stand-in request; ``next_tool`` = the predicted seconds of an announced tool call;
     ``events=False``: its client sends no stall events (``RequestMeta.stall_events``);
-    ``critical``: its node is on the app's critical path."""
+    ``critical``: its node is on the app's critical path; ``slack``: its node's slack (s)."""
     meta: dict[str, Any] = {"session_id": session, "run_id": "run", "node": session or "A"}
     if critical:
         meta["graph"] = {"on_critical_path": True}
+    elif slack is not None:
+        meta["graph"] = {"slack_s": slack}
     if next_tool is not None:
         meta["next_stall"] = {"tool": "search", "predicted_s": next_tool}
     if not events:
@@ -1676,6 +1679,89 @@ def test_a_critical_chain_safe_on_host_keeps_its_place(pool: BlockPool, clock: C
     assert side.stats.counter("spatial.critical_spared_blocks") == 0
     assert side.stats.counter("spatial.critical_inversions") == 1
     assert side.stats.counter("spatial.critical_inversions_unsaved") == 0
+
+
+def _reserve_case(
+    pool: BlockPool, clock: Clock, *, blocks: int, slack: float = 5.0, running: int = 1, **opts: Any
+) -> tuple[SchedulerSide, Any, list[bytes], list[bytes]]:
+    """A critical-path session away on a tool call with its chain safe on host (the older idle
+    chain), a non-critical session's idle chain, and a non-critical agent request (``slack`` s)
+    asking for ``blocks`` of the 15 free blocks (9 never used) while ``running`` requests run."""
+    side = make_side(pool, clock, offload=False, **opts)
+    side.critical_last = True
+    crit, other = chain("crit", 3), chain("other", 3)
+    finish_turn(side, pool, crit, "c1", session="run:C", next_tool=5.0, critical=True)
+    finish_turn(side, pool, other, "o1", session="run:O", next_tool=5.0)
+    side.handle_event(begin("sC", "run:C", predicted=5.0))
+    side.build_meta()
+    put_on_host(side, crit)
+    side.observe_step(BS, num_running=running)
+    req = request("n", chain("n", 1), (blocks - 1) * BS, session="run:N", slack=slack)
+    side.on_new_request(req)
+    return side, req, crit, other
+
+
+def test_an_admission_that_may_wait_takes_other_idle_blocks_before_a_reserved_critical_chain(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Within its slack, a non-critical request evicts the other idle chain rather than the
+    critical one, even though the critical chain is safe on host: no critical inversion."""
+    side, req, crit, other = _reserve_case(pool, clock, blocks=12)
+    assert side.get_num_new_matched_tokens(req, 0) == 0  # admitted now: 12 other blocks are free
+    taken = bp.allocate(pool, 12)
+    side.update_state_after_alloc(req, [], 0)
+    bp.release(pool, taken)
+    assert all(bp.cached_block(pool, h) is not None for h in crit)
+    assert all(bp.cached_block(pool, h) is None for h in other)
+    assert inversions(side) == (0, 0, 0, 0)
+    assert side.stats.counter("spatial.critical_reserve_waits") == 0
+
+
+def test_an_admission_waits_for_the_critical_reserve_within_its_slack_then_is_admitted(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Only the critical chain could make room: the request waits (None: asked again next step)
+    while it has slack left, then is admitted and takes it (a reload, not a recompute)."""
+    side, req, _crit, _other = _reserve_case(pool, clock, blocks=14, slack=2.0)
+    assert side.get_num_new_matched_tokens(req, 0) is None
+    clock.t += 1.0
+    assert side.get_num_new_matched_tokens(req, 0) is None
+    assert side.stats.counter("spatial.critical_reserve_waits") == 2
+    assert side.stats.counter("spatial.critical_reserve_waited_requests") == 1
+    clock.t += 1.5  # its slack is spent: the reserve is lent
+    assert side.get_num_new_matched_tokens(req, 0) == 0
+    taken = bp.allocate(pool, 14)
+    side.update_state_after_alloc(req, [], 0)
+    bp.release(pool, taken)
+    assert inversions(side)[0] == 1 and inversions(side)[2] == 0  # host-safe: no recompute
+
+
+@pytest.mark.parametrize(
+    ("case", "kw"),
+    [
+        ("no slack", {"slack": 0.0}),
+        ("engine idle: nothing runs to free blocks", {"running": 0}),
+        ("no reserve", {"critical_reserve_frac": 0.0}),
+        ("wait bound", {"slack": 60.0, "critical_reserve_wait_s": 0.0}),
+    ],
+)
+def test_an_admission_does_not_wait_for_the_reserve(
+    pool: BlockPool, clock: Clock, case: str, kw: dict[str, Any]
+) -> None:
+    side, req, _crit, _other = _reserve_case(pool, clock, blocks=14, **kw)
+    assert side.get_num_new_matched_tokens(req, 0) == 0, case
+    assert side.stats.counter("spatial.critical_reserve_waits") == 0
+
+
+def test_a_plain_request_never_waits_for_the_reserve(pool: BlockPool, clock: Clock) -> None:
+    side, _req, crit, _other = _reserve_case(pool, clock, blocks=14)
+    plain = request("p", chain("p", 1), 13 * BS, session=None)
+    side.on_new_request(plain)
+    assert side.get_num_new_matched_tokens(plain, 0) == 0
+    assert side.stats.counter("spatial.critical_reserve_waits") == 0
+    taken = bp.allocate(pool, 12)  # host-safe: the critical chain keeps its place (first out)
+    bp.release(pool, taken)
+    assert all(bp.cached_block(pool, h) is None for h in crit)
 
 
 def test_the_critical_hash_index_follows_the_watched_chains(pool: BlockPool, clock: Clock) -> None:

@@ -219,6 +219,10 @@ class _ReqInfo:
     #: When the request first asked for its prefix: could the session's missing chain blocks
     #: have been uploaded then under the prefetch budget rule (None: not asked yet)?
     room_at_arrival: bool | None = None
+    #: The node's slack in its app's DAG (seconds it can start late without delaying the app).
+    slack_s: float = 0.0
+    #: It waited at least one step for the critical reserve (``_spare_critical_chains``).
+    reserve_waited: bool = False
 
 
 def _finish_owner(session_id: str) -> str:
@@ -476,6 +480,7 @@ class SchedulerSide:
                 derive_stalls=not meta.stall_events,
                 run_id=meta.run_id,
                 node=meta.node,
+                slack_s=max(float(meta.graph.slack_s), 0.0),
             )
             self.stats.inc("requests.with_meta")
             if not meta.stall_events:
@@ -934,17 +939,18 @@ class SchedulerSide:
             self.opts.prefetch_reserve_blocks, int(self.opts.prefetch_reserve_frac * self.pool.num_gpu_blocks)
         )
 
-    def _make_room(self, request: Request, num_computed_tokens: int) -> None:
+    def _make_room(self, request: Request, num_computed_tokens: int) -> bool:
         """A waiting request is about to be allocated: release holds it needs the blocks of (and,
-        spatial scheduler on, keep critical chains not safe on host out of its eviction window).
+        spatial scheduler on, keep idle critical chains out of its eviction window).
 
         Runs inside vLLM's admission (before ``allocate_slots``), so a held chain never delays a
         request that could otherwise run; when even releasing every hold would not make it fit,
-        nothing is released (the request waits for running ones either way).
+        nothing is released (the request waits for running ones either way). True: the request
+        waits a step for the critical reserve instead (``_spare_critical_chains``).
         """
         pool = self.pool
         if pool is None or not (self._kept or (self.critical_last and len(self._critical_idle))):
-            return
+            return False
         info = self._reqs.get(request.request_id)
         own = info.session_id if info is not None else ""
         computed = list(request.block_hashes)[: num_computed_tokens // self.block_size]
@@ -954,11 +960,12 @@ class SchedulerSide:
             block = bp.cached_block(pool, bytes(h))
             evictable += block is not None and block.ref_cnt == 0
         need = -(-int(request.num_tokens) // self.block_size) - len(computed) + evictable + 1
-        self._spare_critical_chains(info, need)
-        if not self._kept or bp.num_free(pool) >= need:
-            return
         arrived = self._arrival.get(request.request_id)
         waited = self.clock() - arrived if arrived is not None else math.inf  # re-admission: no reserve
+        if self._spare_critical_chains(info, need, waited):
+            return True
+        if not self._kept or bp.num_free(pool) >= need:
+            return False
         protect = self._protected(info, waited)
         releasable = sum(
             k.releasable for k in self._kept.values() if k.session_id != own and k.session_id not in protect
@@ -966,8 +973,9 @@ class SchedulerSide:
         if bp.num_free(pool) + releasable < need:
             if protect and bp.num_free(pool) + releasable + self._protected_blocks(protect) >= need:
                 self.stats.inc("spatial.reserve_denials")  # it would fit if the reserve were lent
-            return
+            return False
         self._release_kept_until(lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect)
+        return False
 
     def _watch_critical(self, session_id: str, hashes: tuple[bytes, ...], until: float) -> None:
         self._unwatch_critical(session_id)
@@ -989,24 +997,32 @@ class SchedulerSide:
                 if not owners:
                     del self._critical_owners[h]
 
-    def _spare_critical_chains(self, info: _ReqInfo | None, need: int) -> None:
-        """Critical-last for chains not safe on host: a non-critical or plain admission about to
-        allocate ``need`` blocks evicts other idle blocks before the idle chain of a critical-path
-        session that is expected back (it announced a tool call: until that call's stall expiry,
-        while the tool runs, or while its next request waits) and has no host copy.
+    def _spare_critical_chains(self, info: _ReqInfo | None, need: int, waited_s: float) -> bool:
+        """Critical-last: a non-critical or plain admission about to allocate ``need`` blocks
+        evicts other idle blocks before the idle chain of a critical-path session that is
+        expected back (it announced a tool call: until that call's stall expiry, while the tool
+        runs, or while its next request waits). True: the admission waits a step instead.
 
-        Such a chain's blocks inside the eviction window move to the back of the free queue:
-        losing them costs the critical path a recompute (a critical inversion), losing another
-        idle block costs at most a non-critical session's. Host-safe blocks stay where the
-        eviction order put them (first: a copy brings them back). Nothing is denied: when the
-        window holds nothing else the chain is evicted as before. Spatial scheduler only."""
+        Such a chain's blocks inside the eviction window move to the back of the free queue when
+        they have no host copy (losing them costs the critical path a recompute; losing another
+        idle block costs at most a non-critical session's). Host-safe blocks keep the place the
+        eviction order gave them (first: a copy brings them back) — except from an admission
+        that may wait for the critical reserve (:meth:`_may_wait_for_reserve`): it may take no
+        block of such a chain, so those move back too, and if the window still holds one (fewer
+        than ``need`` other blocks are free) it waits for running requests to free blocks or
+        the session to return. Unlike held chains (pinned, so capped at
+        ``critical_reserve_frac`` of the device), idle chains cost no one memory: what bounds
+        this reserve is time — the wait ends with the admission's slack,
+        ``critical_reserve_wait_s``, or the engine's last running request. Spatial scheduler only.
+        """
         pool = self.pool
         if not self.critical_last or pool is None or (info is not None and info.critical):
-            return
+            return False
         owners, now = self._critical_owners, self.clock()
         if not owners:
-            return
+            return False
         waiting: set[str] | None = None  # built only if a watched block is in the window
+        may_wait = info is not None and self._may_wait_for_reserve(info, waited_s)
 
         def back(sid: str) -> bool:
             """Expected back: its stall_begin may not have come yet, the tool runs, or its next
@@ -1019,14 +1035,36 @@ class SchedulerSide:
                 waiting = {i.session_id for rid in self._waiting if (i := self._reqs.get(rid)) is not None}
             return sid in waiting
 
-        def spare(h: bytes) -> bool:
+        def reserved(h: bytes) -> bool:
             sids = owners.get(h)
-            return bool(sids) and any(back(sid) for sid in sids) and self.host.lookup(h) is None
+            return bool(sids) and any(back(sid) for sid in sids)
+
+        def spare(h: bytes) -> bool:
+            return reserved(h) and (may_wait or self.host.lookup(h) is None)
 
         spared = bp.in_eviction_window(pool, spare, need)
         if spared:
             moved = bp.reorder(pool, spared, first=False)
             self.stats.inc("spatial.critical_spared_blocks", moved)
+        if not may_wait or not spared or bp.num_free(pool) < need:
+            return False  # (a request that does not fit waits anyway, in vLLM's queue order)
+        if not bp.in_eviction_window(pool, reserved, need):
+            return False
+        self.stats.inc("spatial.critical_reserve_waits")  # steps an admission waited
+        if info is not None and not info.reserve_waited:
+            info.reserve_waited = True
+            self.stats.inc("spatial.critical_reserve_waited_requests")
+        return True
+
+    def _may_wait_for_reserve(self, info: _ReqInfo, waited_s: float) -> bool:
+        """Whether this non-critical agent request may wait for the critical reserve: it has
+        waited less than its slack (the app's end is not delayed) and ``critical_reserve_wait_s``,
+        and requests run (their finishing frees blocks; an engine that would idle never waits).
+        Plain requests never wait (first come, first served)."""
+        o = self.opts
+        if o.critical_reserve_frac <= 0 or self._running == 0:
+            return False
+        return waited_s < min(info.slack_s, o.critical_reserve_wait_s)
 
     def _protected_blocks(self, protect: frozenset[str]) -> int:
         return sum(k.releasable for k in self._kept.values() if k.session_id in protect)
@@ -1035,15 +1073,17 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Host-pool hits past the device prefix (tokens); None = ask again next step.
 
-        None only while a prefetch of the request's own session is being copied: the blocks are
-        about to appear in the device prefix cache, loading them a second time would waste the copy.
+        None while a prefetch of the request's own session is being copied (the blocks are about
+        to appear in the device prefix cache, loading them a second time would waste the copy),
+        or while it waits for the critical reserve (``_spare_critical_chains``).
         """
         req_id = request.request_id
         info = self._reqs.get(req_id)
         if (info is None or not info.critical) and len(self._critical_idle) and self._critical_before is None:
             self._critical_before = self._critical_cached()  # once per scheduling pass (kept current)
         try:
-            self._make_room(request, num_computed_tokens)
+            if self._make_room(request, num_computed_tokens):
+                return None  # it waits a step for the critical reserve (``_spare_critical_chains``)
         except Exception:  # room is an optimisation: never fail the admission over it
             self.stats.inc("errors.make_room")
             log.exception("TokenCake: releasing holds for %s failed", req_id)
