@@ -10,12 +10,13 @@ heavy: first come first served by app; ``ablation``) — and the bench's spatial
 Mixes vary agent count, arrival rate, context length, shared prefixes, host pool size and the
 hardware profile (CPU-measured and the H200 model); none is tuned for.
 
-    python benchmarks/spatial_sim.py --out docs/bench/sim-spatial.json    # ~1.5 min on 2 cores
-    python benchmarks/spatial_sim.py --variants --out docs/bench/sim-spatial-variants.json  # ~3 min
+    python benchmarks/spatial_sim.py --out docs/bench/sim-spatial.json    # ~4 min on 2 cores
+    python benchmarks/spatial_sim.py --variants --out docs/bench/sim-spatial-variants.json  # ~6 min
 
 Writes per mix and seed: mean app E2E, mean queue wait of critical-path and other requests,
-critical inversions (all, and unsaved: a block taken had no host copy) and the critical path's
-recomputed share of its resumed prefixes for each system, and the ratios ``tokencake / spatial-off``.
+critical inversions (all, and unsaved: a block taken had no host copy), the non-critical requests
+that waited for the critical reserve and the critical path's recomputed share of its resumed
+prefixes for each system, and the ratios ``tokencake / spatial-off``.
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ def _row(r: Any) -> dict[str, Any]:
         "critical_inversions": ext.get("critical_inversions"),
         "critical_inversions_unsaved": ext.get("critical_inversions_unsaved"),
         "critical_recomputed_share": ext.get("critical_recomputed_share"),
+        # Non-critical requests that waited (within their slack) rather than evict a critical chain.
+        "critical_reserve_waited_requests": (ext.get("counters") or {}).get(
+            "spatial.critical_reserve_waited_requests", 0
+        ),
     }
 
 
@@ -183,7 +188,11 @@ def main() -> int:
                     name: sum(r["systems"][name][key] or 0 for r in rows)
                     for name in ("tokencake", "spatial-off", *ABLATIONS)
                 }
-                for key in ("critical_inversions", "critical_inversions_unsaved")
+                for key in (
+                    "critical_inversions",
+                    "critical_inversions_unsaved",
+                    "critical_reserve_waited_requests",
+                )
             },
             # Mixes and seeds where tokencake had fewer / more unsaved inversions than spatial-off.
             "unsaved_inversions_fewer_more": [

@@ -106,3 +106,31 @@ def test_a_non_critical_admission_evicts_other_blocks_before_a_critical_chain_no
     engine, crit, other = _spare_scenario("priority")
     assert len(engine.cache.match(crit.keys(2))) == 1
     assert counters(engine)["spatial.critical_inversions_unsaved"] == 1
+
+
+def _reserve_scenario(**opts: object) -> tuple[Engine, Session]:
+    """A critical-path session away on a tool call (its 2-block chain idle), then two
+    non-critical requests (5 s of slack): the first runs, the second needs 3 of the 4 other
+    free blocks' worth — the window holds the critical chain until the first one finishes."""
+    ext = KVExtension(Options(policy="tokencake", offload=False, **opts), host_blocks=8)  # type: ignore[arg-type]
+    engine = Engine(PROFILE, device_blocks=6, extension=ext, scheduling="spatial")
+    crit = Session("c", "agent", 4)
+    engine.submit(Request(0, crit, prompt_tokens=8, output_tokens=1, arrival=0.0, next_tool=("t", 5.0)))
+    run(engine)
+    ext.stall_begin(crit, "sc", "t", 5.0)
+    engine.submit(Request(1, Session("a", "agent", 4), 7, 3, arrival=engine.now, priority=5))
+    engine.submit(Request(2, Session("b", "agent", 4), 9, 1, arrival=engine.now, priority=5))
+    run(engine)
+    return engine, crit
+
+
+def test_a_non_critical_admission_waits_for_the_critical_reserve_while_requests_run() -> None:
+    engine, crit = _reserve_scenario()
+    c = counters(engine)
+    assert c["spatial.critical_reserve_waited_requests"] == 1 and c["spatial.critical_reserve_waits"] >= 1
+    assert c["spatial.critical_inversions"] == 0
+    assert len(engine.cache.match(crit.keys(2))) == 2
+    # Without the reserve it is admitted at once and takes the critical chain.
+    engine, crit = _reserve_scenario(critical_reserve_frac=0.0)
+    c = counters(engine)
+    assert c["spatial.critical_reserve_waits"] == 0 and c["spatial.critical_inversions"] == 1

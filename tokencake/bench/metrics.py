@@ -401,6 +401,8 @@ def extension_summary(
         "critical_inversions_unsaved": c("spatial.critical_inversions_unsaved"),
         "critical_blocks_evicted": c("spatial.critical_blocks_evicted"),
         "critical_blocks_evicted_unsaved": c("spatial.critical_blocks_evicted_unsaved"),
+        # Non-critical agent requests that waited (within their slack) rather than evict one.
+        "critical_reserve_waited_requests": c("spatial.critical_reserve_waited_requests"),
         # Of the prefix the critical-path sessions' next turns repeated, the share recomputed.
         "critical_recomputed_share": _share(
             c("next_turn.critical.prefix_tokens_recomputed"), c("next_turn.critical.prefix_tokens")

@@ -1743,12 +1743,13 @@ def test_an_admission_waits_for_the_critical_reserve_within_its_slack_then_is_ad
         ("engine idle: nothing runs to free blocks", {"running": 0}),
         ("no reserve", {"critical_reserve_frac": 0.0}),
         ("wait bound", {"slack": 60.0, "critical_reserve_wait_s": 0.0}),
+        ("it does not fit anyway (vLLM's queue order decides)", {"blocks": 16}),
     ],
 )
 def test_an_admission_does_not_wait_for_the_reserve(
     pool: BlockPool, clock: Clock, case: str, kw: dict[str, Any]
 ) -> None:
-    side, req, _crit, _other = _reserve_case(pool, clock, blocks=14, **kw)
+    side, req, _crit, _other = _reserve_case(pool, clock, **{"blocks": 14, **kw})
     assert side.get_num_new_matched_tokens(req, 0) == 0, case
     assert side.stats.counter("spatial.critical_reserve_waits") == 0
 

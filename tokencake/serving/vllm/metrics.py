@@ -110,6 +110,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "Spatial: critical inversions that evicted a block with no host copy (a recompute for the "
         "critical path).",
     ),
+    MetricSpec(
+        "spatial_critical_reserve_waits",
+        "Spatial: engine steps a non-critical agent request waited (within its slack) rather than "
+        "evict a critical-path session's idle KV.",
+    ),
     MetricSpec("errors", "Exceptions caught (and survived) in TokenCake hooks, by hook.", "hook"),
 )
 SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
@@ -128,6 +133,7 @@ _DIRECT: dict[str, str] = {
     "spatial.steps": "spatial_steps",
     "spatial.critical_inversions": "spatial_critical_inversions",
     "spatial.critical_inversions_unsaved": "spatial_critical_inversions_unsaved",
+    "spatial.critical_reserve_waits": "spatial_critical_reserve_waits",
 }
 #: ``Stats`` counter prefix -> labelled metric (the rest of the counter name is the label value).
 _PREFIXED: dict[str, str] = {
