@@ -99,6 +99,8 @@ def _row(r: Any) -> dict[str, Any]:
         "queue_wait_noncritical_mean_s": r.queue_wait_noncritical_mean_s,
         "critical_inversions": ext.get("critical_inversions"),
         "critical_inversions_unsaved": ext.get("critical_inversions_unsaved"),
+        # By a request that could not wait without delaying its own app (past its slack).
+        "critical_inversions_late": ext.get("critical_inversions_late"),
         "critical_recomputed_share": ext.get("critical_recomputed_share"),
         # Non-critical requests that waited (within their slack) rather than evict a critical chain.
         "critical_reserve_waited_requests": (ext.get("counters") or {}).get(
@@ -148,8 +150,10 @@ def main() -> int:
                 f"(ablation {row['ablation/spatial-off']:.3f}), critical wait "
                 f"{on.queue_wait_critical_mean_s:.1f} vs {off.queue_wait_critical_mean_s:.1f} s, "
                 f"inversions {on_row['critical_inversions']} "
-                f"({on_row['critical_inversions_unsaved']} unsaved) vs {off_row['critical_inversions']} "
-                f"({off_row['critical_inversions_unsaved']} unsaved)",
+                f"({on_row['critical_inversions_unsaved']} unsaved, "
+                f"{on_row['critical_inversions_late']} late) "
+                f"vs {off_row['critical_inversions']} ({off_row['critical_inversions_unsaved']} unsaved, "
+                f"{off_row['critical_inversions_late']} late)",
                 flush=True,
             )
     ratios = [r["tokencake/spatial-off"] for r in rows]
@@ -191,6 +195,7 @@ def main() -> int:
                 for key in (
                     "critical_inversions",
                     "critical_inversions_unsaved",
+                    "critical_inversions_late",
                     "critical_reserve_waited_requests",
                 )
             },

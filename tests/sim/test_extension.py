@@ -134,3 +134,8 @@ def test_a_non_critical_admission_waits_for_the_critical_reserve_while_requests_
     engine, crit = _reserve_scenario(critical_reserve_frac=0.0)
     c = counters(engine)
     assert c["spatial.critical_reserve_waits"] == 0 and c["spatial.critical_inversions"] == 1
+    assert c["spatial.critical_inversions_late"] == 0  # it had slack left: the reserve could act
+    # With no slack it could not have waited: the same inversion is a late one.
+    engine, crit = _reserve_scenario(critical_reserve_wait_s=0.0)
+    c = counters(engine)
+    assert c["spatial.critical_inversions"] == 1 and c["spatial.critical_inversions_late"] == 1

@@ -399,6 +399,9 @@ def extension_summary(
         # and those that took a block with no host copy, which the critical path must recompute).
         "critical_inversions": c("spatial.critical_inversions"),
         "critical_inversions_unsaved": c("spatial.critical_inversions_unsaved"),
+        # Those by an admission that could not wait without delaying its own app (plain,
+        # re-admitted, or past its node's slack): the ones the critical reserve may not prevent.
+        "critical_inversions_late": c("spatial.critical_inversions_late"),
         "critical_blocks_evicted": c("spatial.critical_blocks_evicted"),
         "critical_blocks_evicted_unsaved": c("spatial.critical_blocks_evicted_unsaved"),
         # Non-critical agent requests that waited (within their slack) rather than evict one.

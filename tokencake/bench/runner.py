@@ -568,6 +568,7 @@ SYSTEM_SERIES: dict[str, Callable[[Mapping[str, Any]], float | None]] = {
     # The spatial scheduler's metrics (issue 12), measured by the connector on or off.
     "critical_inversions": _extension_summary("critical_inversions"),
     "critical_inversions_unsaved": _extension_summary("critical_inversions_unsaved"),
+    "critical_inversions_late": _extension_summary("critical_inversions_late"),
     "critical_recomputed_share": _extension_summary("critical_recomputed_share"),
     "queue_wait_critical_mean_s": _extension_summary("queue_wait_critical_mean_s"),
     "queue_wait_noncritical_mean_s": _extension_summary("queue_wait_noncritical_mean_s"),

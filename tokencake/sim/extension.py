@@ -529,14 +529,7 @@ class KVExtension:
         assert self.engine is not None
         engine, watched, now, active = self.engine, self._critical_idle, self.now, self._session_stall
         waiting: set[str] | None = None  # built only if a watched block is in the window
-        o = self.opts
-        seen = req.seen_at if req.seen_at is not None else now
-        may_wait = (
-            o.critical_reserve_frac > 0
-            and bool(engine.running)
-            and req.admitted_at is None
-            and now - seen < min(float(req.priority), o.critical_reserve_wait_s)
-        )
+        may_wait = self.opts.critical_reserve_frac > 0 and self._within_slack(req)
 
         def back(sid: str) -> bool:
             nonlocal waiting
@@ -569,6 +562,18 @@ class KVExtension:
             self.stats["spatial.critical_reserve_waited_requests"] += 1
         return True
 
+    def _within_slack(self, req: Request) -> bool:
+        """The connector's ``_within_slack``: a non-critical request on its first admission that
+        has waited less than its slack and ``critical_reserve_wait_s``, while requests run, could
+        still wait without delaying its app."""
+        assert self.engine is not None
+        seen = req.seen_at if req.seen_at is not None else self.now
+        return (
+            bool(self.engine.running)
+            and req.admitted_at is None
+            and self.now - seen < min(float(req.priority), self.opts.critical_reserve_wait_s)
+        )
+
     def _eviction_window(self, wanted: Any, need: int) -> list[Any]:
         """The free blocks whose key is ``wanted`` evicted before ``need`` others, front first."""
         cache, found, others = self.cache, [], 0
@@ -584,9 +589,11 @@ class KVExtension:
     def on_allocated(self, req: Request, evicted: list[Any]) -> None:
         """A waiting request was allocated blocks, evicting the cached ``evicted`` keys: a
         non-critical one that took a watched critical chain's block is a critical inversion
-        (``unsaved`` when a block it took has no host copy), as the connector counts them."""
+        (``unsaved`` when a block it took has no host copy; ``late`` when the request could not
+        have waited without delaying its own app), as the connector counts them."""
         if req.priority == 0 or not evicted or not self._watchers:
             return
+        late = not self._within_slack(req)
         lost: dict[str, list[Any]] = {}
         for k in evicted:
             for sid in self._watchers.get(k, ()):
@@ -595,6 +602,7 @@ class KVExtension:
             unsaved = sum(self.host.lookup(k) is None for k in keys)
             self.stats["spatial.critical_inversions"] += 1
             self.stats["spatial.critical_blocks_evicted"] += len(keys)
+            self.stats["spatial.critical_inversions_late"] += late
             if unsaved:
                 self.stats["spatial.critical_inversions_unsaved"] += 1
                 self.stats["spatial.critical_blocks_evicted_unsaved"] += unsaved
@@ -1027,6 +1035,7 @@ class KVExtension:
             "ready_rate": ready / eligible if eligible else None,
             "critical_inversions": c["spatial.critical_inversions"],
             "critical_inversions_unsaved": c["spatial.critical_inversions_unsaved"],
+            "critical_inversions_late": c["spatial.critical_inversions_late"],
             "critical_recomputed_share": c["next_turn.critical.prefix_tokens_recomputed"]
             / c["next_turn.critical.prefix_tokens"]
             if c["next_turn.critical.prefix_tokens"]

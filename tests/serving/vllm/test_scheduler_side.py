@@ -1734,6 +1734,33 @@ def test_an_admission_waits_for_the_critical_reserve_within_its_slack_then_is_ad
     side.update_state_after_alloc(req, [], 0)
     bp.release(pool, taken)
     assert inversions(side)[0] == 1 and inversions(side)[2] == 0  # host-safe: no recompute
+    assert side.stats.counter("spatial.critical_inversions_late") == 1  # past its slack
+
+
+@pytest.mark.parametrize(
+    ("case", "kw", "plain", "late"),
+    [
+        ("within its slack, reserve off: it could have waited", {"critical_reserve_frac": 0.0}, False, 0),
+        ("no slack left", {"slack": 0.0}, False, 1),
+        ("engine idle: waiting would idle it", {"running": 0}, False, 1),
+        ("a plain request never waits", {}, True, 1),
+    ],
+)
+def test_a_critical_inversion_is_late_when_the_admission_could_not_have_waited(
+    pool: BlockPool, clock: Clock, case: str, kw: dict[str, Any], plain: bool, late: int
+) -> None:
+    """``critical_inversions_late`` splits the inversions the critical reserve may not prevent
+    (waiting longer would delay the admitted request's own app) from those it could have."""
+    side, req, _crit, _other = _reserve_case(pool, clock, **{"blocks": 14, **kw})
+    if plain:
+        req = request("p", chain("p", 1), 13 * BS, session=None)
+        side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 0, case
+    taken = bp.allocate(pool, 14)  # the critical chain's blocks included
+    side.update_state_after_alloc(req, [], 0)
+    bp.release(pool, taken)
+    assert inversions(side)[0] == 1, case
+    assert side.stats.counter("spatial.critical_inversions_late") == late, case
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "critical path).",
     ),
     MetricSpec(
+        "spatial_critical_inversions_late",
+        "Spatial: critical inversions by an admission that could not wait without delaying its own "
+        "app (plain, re-admitted, or past its slack).",
+    ),
+    MetricSpec(
         "spatial_critical_reserve_waits",
         "Spatial: engine steps a non-critical agent request waited (within its slack) rather than "
         "evict a critical-path session's idle KV.",
@@ -133,6 +138,7 @@ _DIRECT: dict[str, str] = {
     "spatial.steps": "spatial_steps",
     "spatial.critical_inversions": "spatial_critical_inversions",
     "spatial.critical_inversions_unsaved": "spatial_critical_inversions_unsaved",
+    "spatial.critical_inversions_late": "spatial_critical_inversions_late",
     "spatial.critical_reserve_waits": "spatial_critical_reserve_waits",
 }
 #: ``Stats`` counter prefix -> labelled metric (the rest of the counter name is the label value).

@@ -1061,10 +1061,16 @@ class SchedulerSide:
         waited less than its slack (the app's end is not delayed) and ``critical_reserve_wait_s``,
         and requests run (their finishing frees blocks; an engine that would idle never waits).
         Plain requests never wait (first come, first served)."""
-        o = self.opts
-        if o.critical_reserve_frac <= 0 or self._running == 0:
+        return self.opts.critical_reserve_frac > 0 and self._within_slack(info, waited_s)
+
+    def _within_slack(self, info: _ReqInfo | None, waited_s: float | None) -> bool:
+        """Whether an admission could still have waited without delaying its own app: an agent
+        request on its first admission that has waited less than its node's slack and
+        ``critical_reserve_wait_s``, while requests run. Plain requests, re-admissions (None)
+        and requests past that point could not: an inversion they cause is "late"."""
+        if info is None or waited_s is None or self._running == 0:
             return False
-        return waited_s < min(info.slack_s, o.critical_reserve_wait_s)
+        return waited_s < min(info.slack_s, self.opts.critical_reserve_wait_s)
 
     def _protected_blocks(self, protect: frozenset[str]) -> int:
         return sum(k.releasable for k in self._kept.values() if k.session_id in protect)
@@ -1171,6 +1177,7 @@ class SchedulerSide:
         self._waiting.pop(req_id, None)
         arrived = self._arrival.pop(req_id, None)
         info = self._reqs.get(req_id)
+        waited: float | None = None
         if arrived is not None:  # first admission (a preempted request's re-admission is not counted)
             waited = max(self.clock() - arrived, 0.0)
             self.policy.observe_queue_delay(waited)
@@ -1184,7 +1191,8 @@ class SchedulerSide:
             self._unwatch_critical(info.session_id)  # its blocks are in use again
         before, self._critical_before = self._critical_before, None
         if before is not None and (info is None or not info.critical):
-            self._critical_before = self._count_inversions(before)  # the next admission's baseline
+            late = not self._within_slack(info, waited)
+            self._critical_before = self._count_inversions(before, late)  # the next admission's baseline
         if info is not None and info.session_id in self._kept:
             # Admitted: the request now holds the prefix blocks it hit; the keep has done its job.
             self._unkeep(info.session_id, "admitted")
@@ -1234,13 +1242,17 @@ class SchedulerSide:
             for sid, watch in self._critical_idle.items()
         }
 
-    def _count_inversions(self, before: dict[str, frozenset[bytes]]) -> dict[str, frozenset[bytes]]:
+    def _count_inversions(
+        self, before: dict[str, frozenset[bytes]], late: bool
+    ) -> dict[str, frozenset[bytes]]:
         """A non-critical request was admitted: did its allocation evict a critical session's KV?
 
         ``critical_inversions`` counts every such admission; ``critical_inversions_unsaved`` those
         that took a block with no host copy — the ones that cost the critical path a recompute (a
         block safe on host comes back by a copy, which is why the eviction order lets those go
-        first). Returns the cached blocks now."""
+        first); ``critical_inversions_late`` those by an admission that could not have waited
+        without delaying its own app (``late``: see :meth:`_within_slack`) — the ones the critical
+        reserve may not prevent. Returns the cached blocks now."""
         after = self._critical_cached()
         for sid, cached in before.items():
             lost = cached - after.get(sid, cached)
@@ -1249,6 +1261,8 @@ class SchedulerSide:
             unsaved = sum(self.host.lookup(h) is None for h in lost)
             self.stats.inc("spatial.critical_inversions")
             self.stats.inc("spatial.critical_blocks_evicted", len(lost))
+            if late:
+                self.stats.inc("spatial.critical_inversions_late")
             if unsaved:
                 self.stats.inc("spatial.critical_inversions_unsaved")
                 self.stats.inc("spatial.critical_blocks_evicted_unsaved", unsaved)
