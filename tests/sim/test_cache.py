@@ -38,14 +38,30 @@ def test_move_and_blocks_ahead_follow_the_queue_order() -> None:
     cache.release(list(reversed(y)))
     # queue: 2 never-used blocks, x1, x0, y1, y0
     assert cache.blocks_ahead(x) == 2 and cache.blocks_ahead(y) == 4
-    assert cache.move(list(reversed(y)), front=True) == 2  # y first in line, tail first
-    assert cache.blocks_ahead(y) == 0 and cache.blocks_ahead([y[0]]) == 1 and cache.blocks_ahead(x) == 4
-    assert cache.allocate(1) == [y[1]]
+    # y first in line among the cached blocks, tail first; the empty blocks stay ahead (free to take)
+    assert cache.move(list(reversed(y)), front=True) == 2
+    assert cache.blocks_ahead(y) == 2 and cache.blocks_ahead([y[0]]) == 3 and cache.blocks_ahead(x) == 4
+    assert cache.allocate(3)[-1] == y[1] and cache.evictions == 1
     cache.move(x, front=False)
     assert list(cache.free)[-2:] == x
     assert cache.blocks_ahead([y[1]]) is None  # in use: not in the queue
     with pytest.raises(RuntimeError):
         cache.release([y[0]])  # never referenced
+
+
+def test_freed_blocks_with_no_key_go_first_and_demotion_steps_over_a_bounded_run(monkeypatch) -> None:
+    import tokencake.sim.cache as cache_mod
+
+    cache = BlockCache(6)
+    x = cached_chain(cache, [b"x0", b"x1"])
+    partial = cache.allocate(2)  # a request's last blocks, never full: no key
+    cache.release(list(reversed(x)))
+    cache.release(partial)
+    assert list(cache.free)[:4] == [partial[1], partial[0], *list(cache.free)[2:4]]
+    assert all(cache.key[b] is None for b in list(cache.free)[:4])  # 2 never used, 2 partial
+    monkeypatch.setattr(cache_mod, "EMPTY_WALK_LIMIT", 3)
+    assert cache.move([x[1]], front=True) == 1
+    assert cache.blocks_ahead([x[1]]) == 3
 
 
 def test_queue_positions_survive_renumbering() -> None:

@@ -2,17 +2,24 @@
 
 Same semantics as ``vllm/v1/core/block_pool.py`` where they decide who gets evicted: a block with no
 reference sits in the free queue (front = evicted first) and keeps its prefix key until it is
-re-allocated; a request frees its blocks tail first, so a chain's tail is evicted before its head;
+re-allocated; a freed block with a key joins the back, one without (a partial last block) the front,
+so empty blocks are taken before any cached one; a request frees its blocks tail first, so a chain's
+tail is evicted before its head;
 a prefix hit takes a reference (the block leaves the free queue). Keys are opaque hashables (the
 simulator uses ``(session or prefix group, block index)``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
-__all__ = ["BlockCache", "CacheFull"]
+__all__ = ["EMPTY_WALK_LIMIT", "BlockCache", "CacheFull"]
+
+#: How many empty blocks at the front of the free queue ``move(front=True)`` steps over at most
+#: (the connector's ``_blockpool.EMPTY_WALK_LIMIT``).
+EMPTY_WALK_LIMIT = 1024
 
 
 class CacheFull(RuntimeError):
@@ -156,13 +163,14 @@ class BlockCache:
             self.ref[b] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
-        """Drop one reference each, in the given order (freed blocks join the queue's back)."""
+        """Drop one reference each, in the given order (freed cached blocks join the queue's back,
+        blocks with no key its front)."""
         for b in blocks:
             if self.ref[b] <= 0:
                 raise RuntimeError(f"block {b} released more often than referenced")
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                self._push(b, front=False)
+                self._push(b, front=self.key[b] is None)
 
     def cache(self, block: int, key: Hashable) -> bool:
         """Give ``block`` its prefix key (False when another block already serves that key)."""
@@ -173,12 +181,25 @@ class BlockCache:
         return True
 
     def move(self, blocks: Iterable[int], *, front: bool) -> int:
-        """Idle cached ``blocks`` to the front (evicted next) or back of the free queue, in order."""
+        """Idle cached ``blocks`` to the front (evicted next: behind the empty blocks that lead the
+        queue, at most ``EMPTY_WALK_LIMIT`` of them, as the connector's ``reorder``) or back of
+        the free queue, in order."""
         moved = [b for b in dict.fromkeys(blocks) if self.is_idle_cached(b)]
         for b in moved:
             self._pop(b)
-        for b in reversed(moved) if front else moved:
-            self._push(b, front=front)
+        if front:
+            empty = list(
+                itertools.islice(
+                    itertools.takewhile(lambda b: self.key[b] is None, self.free), EMPTY_WALK_LIMIT
+                )
+            )
+            for b in empty:
+                self._pop(b)
+            for b in reversed(empty + moved):
+                self._push(b, front=True)
+        else:
+            for b in moved:
+                self._push(b, front=False)
         return len(moved)
 
     def reset(self) -> None:

@@ -280,7 +280,7 @@ class Engine:
                 self.ext.make_room(req, need)
             if need > self.cache.num_free:
                 break
-            if self.ext is not None and self.ext.spare_critical_chains(req, need):
+            if self.ext is not None and self.ext.spare_critical_chains(req, need, hit):
                 skipped.append(self._dequeue())  # it waits a step for the critical reserve
                 continue
             self._dequeue()

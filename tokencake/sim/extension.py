@@ -20,6 +20,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +136,8 @@ class KVExtension:
             prior_ratio=o.prefetch_prior_ratio,
         )
         self._stalls: dict[str, _Stall] = {}  # active (tool running)
+        #: Block key -> the active stalls whose chain holds it (a shared prompt: several).
+        self._stall_users: dict[Any, set[str]] = {}
         self._session_stall: dict[str, _Stall] = {}  # session -> its active stall
         self._last_stall: dict[str, _Stall] = {}  # session -> its last ended stall (next-turn accounting)
         self._chains: dict[str, list[bytes]] = {}  # session -> keys of its last finished request
@@ -384,15 +387,47 @@ class KVExtension:
         return bool(self._filling) and any(k in self._filling for k in stall.keys)
 
     # ------------------------------------------------------------------ eviction order
-    def _chain_blocks(self, stall: _Stall, *, on_host_only: bool) -> list[int]:
+    def _chain_blocks(self, stall: _Stall, *, on_host_only: bool, first_in_line: bool = False) -> list[int]:
+        """As the connector's: ``first_in_line`` leaves out blocks another stall keeps longer."""
         out = []
         for k in stall.keys:
             b = self.cache.lookup(k)
             if b is None or (on_host_only and self.host.lookup(k) is None):  # type: ignore[arg-type]
                 continue
+            if first_in_line and self._kept_by_another(stall, k):
+                continue
             out.append(b)
         out.reverse()
         return out
+
+    def _kept_by_another(self, stall: _Stall, k: Any) -> bool:
+        """The connector's ``_kept_by_another``: another active stall holding block ``k`` that is
+        not demoted, or demoted behind ``stall`` (an equal or lower eviction rank)."""
+        users = self._stall_users.get(k)
+        if not users or (len(users) == 1 and stall.stall_id in users):
+            return False
+        rank = self._evict_rank(stall)
+        for sid in users:
+            other = self._stalls.get(sid) if sid != stall.stall_id else None
+            if other is not None and (other not in self._demoted or self._evict_rank(other) <= rank):
+                return True
+        return False
+
+    def _add_stall(self, stall: _Stall) -> None:
+        self._stalls[stall.stall_id] = stall
+        for k in stall.keys:
+            self._stall_users.setdefault(k, set()).add(stall.stall_id)
+
+    def _pop_stall(self, stall_id: str) -> _Stall | None:
+        stall = self._stalls.pop(stall_id, None)
+        if stall is not None:
+            for k in stall.keys:
+                users = self._stall_users.get(k)
+                if users is not None:
+                    users.discard(stall_id)
+                    if not users:
+                        del self._stall_users[k]
+        return stall
 
     def _demote(self, stall: _Stall) -> None:
         if not self.opts.demote or not stall.evict_first or stall.stall_id not in self._stalls:
@@ -409,7 +444,7 @@ class KVExtension:
             order = sorted(self._demoted, key=lambda s: (*rank(s), s.stall_id))
         for s in order:
             self.stats["evict_order.demoted_blocks"] += self.cache.move(
-                self._chain_blocks(s, on_host_only=True), front=True
+                self._chain_blocks(s, on_host_only=True, first_in_line=True), front=True
             )
 
     def _evict_rank(self, stall: _Stall) -> tuple[int, float]:
@@ -517,19 +552,23 @@ class KVExtension:
                 if not sids:
                     del self._watchers[k]
 
-    def spare_critical_chains(self, req: Request, need: int) -> bool:
+    def spare_critical_chains(self, req: Request, need: int, hit: Sequence[int] = ()) -> bool:
         """The connector's ``_spare_critical_chains``: before a non-critical admission allocates
         ``need`` blocks, the idle blocks of critical-path chains away on a tool call (or whose
         request waits) that have no host copy and sit in the eviction window move to the back;
         from an admission that may wait for the critical reserve (within its slack and
         ``critical_reserve_wait_s``, while requests run) the host-safe ones too, and if one is
-        still in the window it waits a step (True)."""
+        still in the window it waits a step (True). The request's own prefix hits (``hit``: taken
+        before it allocates) are stepped over and its own session's chain is never reserved."""
         if not self.critical_last or req.priority == 0 or not self._watchers:
             return False
         assert self.engine is not None
         engine, watched, now, active = self.engine, self._critical_idle, self.now, self._session_stall
         waiting: set[str] | None = None  # built only if a watched block is in the window
         may_wait = self.opts.critical_reserve_frac > 0 and self._within_slack(req)
+        own, cache = req.session.session_id, self.cache
+        skip = {cache.key[b] for b in hit}
+        window = need - sum(1 for b in hit if cache.ref[b] == 0)
 
         def back(sid: str) -> bool:
             nonlocal waiting
@@ -541,19 +580,19 @@ class KVExtension:
 
         def reserved(k: Any) -> bool:
             sids = self._watchers.get(k) if k is not None else None
-            return bool(sids) and any(back(sid) for sid in sids)
+            return bool(sids) and any(sid != own and back(sid) for sid in sids)
 
         def spare(k: Any) -> bool:
             return reserved(k) and (may_wait or self.host.lookup(k) is None)
 
-        found = self._eviction_window(spare, need)
+        found = self._eviction_window(spare, window, skip)
         if found:
             self.stats["spatial.critical_spared_blocks"] += self.cache.move(found, front=False)
         if (
             not may_wait
             or not found
             or self.cache.num_free < need
-            or not self._eviction_window(reserved, need)
+            or not self._eviction_window(reserved, window, skip)
         ):
             return False
         self.stats["spatial.critical_reserve_waits"] += 1
@@ -574,13 +613,17 @@ class KVExtension:
             and self.now - seen < min(float(req.priority), self.opts.critical_reserve_wait_s)
         )
 
-    def _eviction_window(self, wanted: Any, need: int) -> list[Any]:
-        """The free blocks whose key is ``wanted`` evicted before ``need`` others, front first."""
+    def _eviction_window(self, wanted: Any, need: int, skip: set[Any] | None = None) -> list[Any]:
+        """The free blocks whose key is ``wanted`` evicted before ``need`` others, front first
+        (blocks whose key is in ``skip`` are stepped over)."""
         cache, found, others = self.cache, [], 0
         for b in cache.free:
             if others >= need:
                 break
-            if wanted(cache.key[b]):
+            k = cache.key[b]
+            if skip and k is not None and k in skip:
+                continue
+            if wanted(k):
                 found.append(b)
             else:
                 others += 1
@@ -804,7 +847,7 @@ class KVExtension:
         stall.lead_s = (
             self.transfer.estimate("h2d", len(keys) * self.profile.block_bytes) + self.opts.prefetch_margin_s
         )
-        self._stalls[stall_id] = stall
+        self._add_stall(stall)
         self._session_stall[session.session_id] = stall
         self.stats["stalls"] += 1
         self._evaluate(stall)
@@ -841,7 +884,7 @@ class KVExtension:
                 kind="keep",
             )
         elif plan.action == "discard" and self.opts.demote:
-            self.cache.move(self._chain_blocks(stall, on_host_only=False), front=True)
+            self.cache.move(self._chain_blocks(stall, on_host_only=False, first_in_line=True), front=True)
         if plan.action != "offload":
             if plan.retry:
                 base = self.opts.reevaluate_s
@@ -880,7 +923,7 @@ class KVExtension:
             self._demote(stall)
 
     def stall_end(self, stall_id: str, duration_s: float) -> None:
-        stall = self._stalls.pop(stall_id, None)
+        stall = self._pop_stall(stall_id)
         if stall is None:
             return
         sid = stall.session.session_id
@@ -947,7 +990,7 @@ class KVExtension:
                     continue
                 self._try_prefetch(stall)
         for stall_id in self.planner.expired(now):
-            stall = self._stalls.pop(stall_id, None)
+            stall = self._pop_stall(stall_id)
             if stall is not None and self._session_stall.get(stall.session.session_id) is stall:
                 del self._session_stall[stall.session.session_id]
             self.host.release(stall_id)

@@ -93,18 +93,34 @@ def test_reorder_moves_idle_cached_blocks_to_either_end(pool: BlockPool) -> None
     for i, b in enumerate(blocks):
         bp.register(pool, b, _hash(20 + i), num_tokens=16 * (i + 1))
     bp.release(pool, blocks)
-    # Freed cached blocks sit at the back (evicted last); demoting two puts them in front, in order.
+    empty = bp.num_free(pool) - 4  # never used: no hash, at the front of the queue
+    assert empty == 3
+    # Freed cached blocks sit at the back (evicted last); demoting two puts them behind the empty
+    # blocks (free to take) and ahead of every other cached block, in order.
     assert bp.reorder(pool, [blocks[3], blocks[2]], first=True) == 2
     rank = bp.eviction_rank(pool)
-    assert rank[blocks[3].block_id] == 0 and rank[blocks[2].block_id] == 1
-    (taken,) = bp.allocate(pool, 1)
-    assert taken is blocks[3], "the demoted block must be evicted first"
+    assert rank[blocks[3].block_id] == empty and rank[blocks[2].block_id] == empty + 1
+    assert all(b.block_hash is None for b in pool.free_block_queue.get_all_free_blocks()[:empty])
+    taken = bp.allocate(pool, empty + 1)
+    assert all(b.block_hash is None for b in taken[:-1]), "empty blocks go before any cached one"
+    assert taken[-1] is blocks[3], "the demoted block must be the first cached block evicted"
     # Promoting sends the block to the very back; blocks in use or without a hash never move.
     assert bp.reorder(pool, [blocks[2]], first=False) == 1
     assert max(bp.eviction_rank(pool).items(), key=lambda kv: kv[1])[0] == blocks[2].block_id
     bp.pin(pool, [blocks[0]])
     assert bp.reorder(pool, [blocks[0]], first=True) == 0
-    bp.release(pool, [blocks[0], taken])
+    bp.release(pool, [blocks[0], *taken])
+    assert pool.free_block_queue.num_free_blocks == bp.num_free(pool) == 7
+
+
+def test_demoting_steps_over_a_bounded_number_of_empty_blocks(pool: BlockPool, monkeypatch) -> None:
+    blocks = bp.allocate(pool, 2)
+    for i, b in enumerate(blocks):
+        bp.register(pool, b, _hash(30 + i), num_tokens=16 * (i + 1))
+    bp.release(pool, blocks)
+    monkeypatch.setattr(bp, "EMPTY_WALK_LIMIT", 2)  # 5 empty blocks lead; step over 2 of them
+    assert bp.reorder(pool, [blocks[1]], first=True) == 1
+    assert bp.eviction_rank(pool)[blocks[1].block_id] == 2
     assert pool.free_block_queue.num_free_blocks == bp.num_free(pool) == 7
 
 
@@ -113,11 +129,14 @@ def test_the_eviction_window_is_walked_from_the_front(pool: BlockPool) -> None:
     for i, b in enumerate(blocks):
         bp.register(pool, b, _hash(40 + i), num_tokens=16 * (i + 1))
     bp.release(pool, blocks)
-    bp.reorder(pool, [blocks[1], blocks[0]], first=True)  # 1, 0 first, then the others, 2 last
+    empty = bp.num_free(pool) - 3
+    bp.reorder(pool, [blocks[1], blocks[0]], first=True)  # empty ones, 1, 0, then 2 last
     wanted = {_hash(40), _hash(42)}.__contains__  # blocks 0 and 2, by their bare block hash
-    # Before 1 other block: block 1 is first but not asked for, block 0 is next.
-    assert bp.in_eviction_window(pool, wanted, 1) == []
-    assert bp.in_eviction_window(pool, wanted, 2) == [blocks[0]]
+    # The empty blocks count as others: they are taken first.
+    assert bp.in_eviction_window(pool, wanted, empty) == []
+    # Then block 1 is next but not asked for; block 0 and block 2 follow with no other between.
+    assert bp.in_eviction_window(pool, wanted, empty + 1) == []
+    assert bp.in_eviction_window(pool, wanted, empty + 2) == [blocks[0], blocks[2]]
     assert bp.in_eviction_window(pool, wanted, bp.num_free(pool)) == [blocks[0], blocks[2]]
 
 

@@ -677,6 +677,11 @@ def test_offload_of_blocks_hashed_this_step_commits_the_forward_kv(pool: BlockPo
     assert_no_pins(pool)
 
 
+def empty_free_blocks(pool: BlockPool) -> int:
+    """Free blocks with no hash: vLLM keeps them at the front of its free queue."""
+    return sum(b.block_hash is None for b in pool.free_block_queue.get_all_free_blocks())
+
+
 def test_offloaded_session_is_evicted_first_latest_return_first(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch=False)
     a = chain("a", 2)
@@ -693,18 +698,88 @@ def test_offloaded_session_is_evicted_first_latest_return_first(pool: BlockPool,
         name: [rank[bp.cached_block(pool, h).block_id] for h in hs]
         for name, hs in (("a", a), ("b", b), ("c", c))
     }
-    # B returns last: its blocks go first (tail before head), then A's; the active prefix C last.
-    assert pos["b"] == [1, 0] and pos["a"] == [3, 2]
-    assert min(pos["c"]) > 3
+    # Empty blocks (no hash) cost nothing to take: they stay first in line. Then B, which returns
+    # last (tail before head), then A's; the active prefix C last.
+    e = empty_free_blocks(pool)
+    assert e > 0
+    assert pos["b"] == [e + 1, e] and pos["a"] == [e + 3, e + 2]
+    assert min(pos["c"]) > e + 3
     assert side.stats.counter("evict_order.demoted_blocks") >= 4
     # A's tool returns: its blocks go back to the safe end, B stays first in line.
     side.handle_event(end("sa", "run:A"))
     side.build_meta()
     rank = bp.eviction_rank(pool)
-    assert rank[bp.cached_block(pool, b[1]).block_id] == 0
+    assert rank[bp.cached_block(pool, b[1]).block_id] == empty_free_blocks(pool)
     assert min(rank[bp.cached_block(pool, h).block_id] for h in a) > max(
         rank[bp.cached_block(pool, h).block_id] for h in c
     )
+    assert_no_pins(pool)
+
+
+def _finish_sharing(
+    side: SchedulerSide, pool: BlockPool, shared: list[bytes], tag: str, session: str
+) -> list[bytes]:
+    """A request of ``session`` hit ``shared`` on device, computed its own 2 blocks and finished."""
+    hashes = shared + chain(tag, 2)
+    req = request(f"r{tag}", hashes, len(hashes) * BS + 2, session=session)
+    side.on_new_request(req)
+    hits = [bp.cached_block(pool, h) for h in shared]
+    bp.pin(pool, hits)
+    own = bp.allocate(pool, 2)
+    for i, (blk, h) in enumerate(zip(own, hashes[len(shared) :], strict=True)):
+        bp.register(pool, blk, h, (len(shared) + i + 1) * BS)
+    req.num_computed_tokens = len(hashes) * BS + 1
+    side.request_finished(req)
+    bp.release(pool, [*reversed(own), *reversed(hits)])
+    return hashes
+
+
+def test_demoting_a_session_leaves_the_prompt_it_shares_with_another_stalled_one(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """A and B share a system prompt; both are away on a tool call, only A's chain is offloaded.
+    A's own blocks go first in line; the shared prompt stays where LRU put it (B still needs it
+    on device, and losing it would cost B its whole device prefix hit)."""
+    side = make_side(pool, clock, prefetch=False, host_blocks=16)
+    shared = chain("sys", 2)
+    a = shared + chain("a", 2)
+    finish_turn(side, pool, a, req_id="ra", session="run:A")
+    b = _finish_sharing(side, pool, shared, "b", "run:B")
+    side.handle_event(begin("sb", "run:B", predicted=0.001))  # too short to offload: stays
+    answer(side, side.build_meta())
+    side.handle_event(begin("sa", "run:A", predicted=50.0))
+    answer(side, side.build_meta())
+    assert side.stats.counter("stalls.decision.offload") == 1
+    rank = bp.eviction_rank(pool)
+    e = empty_free_blocks(pool)
+    pos = {h: rank[bp.cached_block(pool, h).block_id] for h in a + b}
+    assert sorted(pos[h] for h in a[2:]) == [e, e + 1]  # A's own blocks: first in line
+    assert min(pos[h] for h in shared) > max(pos[h] for h in b[2:])  # the prompt: LRU's place
+    assert_no_pins(pool)
+
+
+def test_a_prompt_shared_by_demoted_sessions_goes_with_the_one_back_first(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Both chains offloaded: the shared prompt takes the place of the session that returns first
+    (the one evicted last), whichever was demoted first."""
+    side = make_side(pool, clock, prefetch=False, host_blocks=16)
+    shared = chain("sys", 2)
+    a = shared + chain("a", 2)
+    finish_turn(side, pool, a, req_id="ra", session="run:A")
+    b = _finish_sharing(side, pool, shared, "b", "run:B")
+    side.handle_event(begin("sa", "run:A", predicted=50.0))  # back last
+    answer(side, side.build_meta())
+    side.handle_event(begin("sb", "run:B", predicted=10.0))  # back first
+    answer(side, side.build_meta())
+    assert side.stats.counter("stalls.decision.offload") == 2
+    rank = bp.eviction_rank(pool)
+    e = empty_free_blocks(pool)
+    pos = {h: rank[bp.cached_block(pool, h).block_id] for h in a + b}
+    # A (back last) first in line, then B's own blocks, then the prompt it shares with B.
+    assert sorted(pos[h] for h in a[2:]) == [e, e + 1]
+    assert sorted(pos[h] for h in b[2:]) == [e + 2, e + 3]
+    assert sorted(pos[h] for h in shared) == [e + 4, e + 5]
     assert_no_pins(pool)
 
 
@@ -796,7 +871,7 @@ def test_stall_begin_during_early_save_does_not_copy_twice(pool: BlockPool, cloc
     answer(side, meta)
     # Committed while the stall was active: pinned for it, and the idle blocks demoted.
     assert all("s1" in side.host.owners(side.host.lookup(h)) for h in hashes)
-    assert bp.eviction_rank(pool)[blocks[2].block_id] == 0
+    assert bp.eviction_rank(pool)[blocks[2].block_id] == empty_free_blocks(pool)
     assert_no_pins(pool)
 
 
@@ -1105,6 +1180,24 @@ def test_a_held_prefetch_yields_to_a_request_that_needs_the_room(pool: BlockPool
     assert side.planner.stats()["reprefetch_while_running"] == 1
 
 
+def test_a_request_waiting_for_its_own_prefetch_releases_no_other_hold(pool: BlockPool, clock: Clock) -> None:
+    """It is not admitted this step (it waits for its copy): another session's held chain stays."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)
+    hashes = _offloaded_and_evicted(side, pool, clock)  # run:A, a 1 s tool
+    clock.t += 1.0
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch"
+    side.handle_event(end(duration=1.0))
+    req = request("r2", [*hashes, *chain("n", 1)], 12 * BS)  # more than is free without B's hold
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) is None
+    assert "run:B" in side._kept and side.stats.counter("hold.released.room") == 0
+    answer(side, TokenCakeMetadata([job]))
+    assert side.get_num_new_matched_tokens(req, 2 * BS) == 0  # its copy landed: a device hit
+    assert "run:B" in side._kept  # and it fits beside B's chain
+
+
 def test_a_hold_that_cannot_make_room_is_not_released(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch_quantile=None)
     _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 1.0)
@@ -1349,7 +1442,8 @@ def test_infercept_discard_puts_the_session_first_in_line(pool: BlockPool, clock
     side.build_meta()
     assert side.stats.counter("stalls.decision.discard") == 1
     rank = bp.eviction_rank(pool)
-    assert sorted(rank[bp.cached_block(pool, h).block_id] for h in hashes) == [0, 1]
+    e = empty_free_blocks(pool)
+    assert sorted(rank[bp.cached_block(pool, h).block_id] for h in hashes) == [e, e + 1]
     assert not pinned(pool)
 
 
@@ -1779,6 +1873,37 @@ def test_an_admission_does_not_wait_for_the_reserve(
     side, req, _crit, _other = _reserve_case(pool, clock, **{"blocks": 14, **kw})
     assert side.get_num_new_matched_tokens(req, 0) == 0, case
     assert side.stats.counter("spatial.critical_reserve_waits") == 0
+
+
+def test_an_admission_does_not_wait_for_a_reserved_chain_that_is_its_own_prefix_hit(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """A shared system prompt: the critical session's idle chain is the non-critical request's
+    own device prefix hit. vLLM takes those blocks for the request before it allocates, so the
+    admission can never evict them: nothing to wait for, nothing to spare, no inversion."""
+    side = make_side(pool, clock, offload=False)
+    side.critical_last = True
+    crit, other = chain("crit", 2), chain("other", 3)
+    finish_turn(side, pool, crit, "c1", session="run:C", next_tool=5.0, critical=True)
+    finish_turn(side, pool, other, "o1", session="run:O", next_tool=5.0)
+    side.handle_event(begin("sC", "run:C", predicted=5.0))
+    side.build_meta()
+    put_on_host(side, crit)
+    side.observe_step(BS, num_running=1)
+    assert bp.num_free(pool) == 15  # 10 never used, the critical chain, the other chain
+    # 14 blocks: the 2 it hits (the critical chain) and 12 fresh of the 13 other free blocks.
+    req = request("n", crit + chain("n", 1), 14 * BS - 1, session="run:N", slack=5.0)
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 2 * BS) == 0
+    assert side.stats.counter("spatial.critical_reserve_waits") == 0
+    assert side.stats.counter("spatial.critical_spared_blocks") == 0
+    hits = [bp.cached_block(pool, h) for h in crit]
+    bp.pin(pool, hits)  # as vLLM's allocate_slots touches the request's hits first
+    taken = bp.allocate(pool, 12)
+    side.update_state_after_alloc(req, [], 0)
+    assert all(bp.cached_block(pool, h) is not None for h in crit)
+    assert inversions(side)[0] == 0
+    bp.release(pool, taken + hits)
 
 
 def test_a_plain_request_never_waits_for_the_reserve(pool: BlockPool, clock: Clock) -> None:

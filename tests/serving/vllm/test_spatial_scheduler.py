@@ -44,6 +44,41 @@ def test_the_internals_it_needs_are_there() -> None:
     assert isinstance(ScoredRequestQueue(), RequestQueue)
 
 
+def test_a_prefix_cache_reset_gives_the_policys_device_holds_back_first() -> None:
+    """vLLM resets its block pool before it calls the connector, and that reset refuses while a
+    block is in use: the scheduler has the connector release its holds before, when the reset
+    can succeed (it preempts the running requests, or none run)."""
+    import inspect
+    from types import SimpleNamespace
+
+    params = list(inspect.signature(Scheduler.reset_prefix_cache).parameters)
+    assert params == ["self", "reset_running_requests", "reset_connector"]
+    calls: list[str] = []
+
+    class Base:
+        def reset_prefix_cache(
+            self, reset_running_requests: bool = False, reset_connector: bool = False
+        ) -> bool:
+            calls.append(f"pool reset (preempt={reset_running_requests})")
+            return True
+
+    class Sched(spatial._ReleasesHoldsOnReset, Base):  # type: ignore[misc]
+        def __init__(self, running: list[Any]) -> None:
+            self.running = running
+            self.connector = SimpleNamespace(release_device_holds=lambda: calls.append("holds released"))
+
+    assert Sched([]).reset_prefix_cache()
+    assert calls == ["holds released", "pool reset (preempt=False)"]
+    calls.clear()
+    Sched(["r1"]).reset_prefix_cache()  # it would fail anyway: the holds stay
+    assert calls == ["pool reset (preempt=False)"]
+    calls.clear()
+    Sched(["r1"]).reset_prefix_cache(reset_running_requests=True)
+    assert calls == ["holds released", "pool reset (preempt=True)"]
+    for cls in (spatial._SyncSpatialScheduler, spatial._AsyncSpatialScheduler):
+        assert issubclass(cls, spatial._ReleasesHoldsOnReset)
+
+
 def test_it_keeps_vllms_async_scheduler_when_async_scheduling_is_on() -> None:
     """A ``--scheduler-cls`` that subclassed only ``Scheduler`` would lose async scheduling."""
     from types import SimpleNamespace

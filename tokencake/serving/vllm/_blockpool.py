@@ -21,7 +21,8 @@ Assumptions (vLLM 0.32):
 * ``free_block_queue`` (a ``FreeKVCacheBlockQueue``: eviction pops from its front) has
   ``remove(block)``, ``prepend_n(blocks)`` and ``append_n(blocks)``. :func:`reorder` uses them to
   put an offloaded session's idle blocks first in line for eviction (``free_blocks`` alone can
-  only put them last). Like prefetch, reordering is off when :func:`check` fails.
+  only put them last; ``free_blocks`` prepends hash-less blocks, so empty blocks lead the queue and
+  a demoted block goes behind them). Like prefetch, reordering is off when :func:`check` fails.
 """
 
 from __future__ import annotations
@@ -113,11 +114,19 @@ def is_idle_cached(block: KVCacheBlock) -> bool:
     return block.ref_cnt == 0 and block.block_hash is not None and not block.is_null
 
 
+#: How many empty blocks at the front of the free queue :func:`reorder` steps over at most.
+EMPTY_WALK_LIMIT = 1024
+
+
 def reorder(pool: BlockPool, blocks: Sequence[KVCacheBlock], *, first: bool) -> int:
     """Move idle cached ``blocks`` to the front (``first``: evicted next) or back of the free queue.
 
-    ``blocks`` are given in eviction order (the first one is evicted first). Blocks in use or
-    without a hash are skipped. Private API (see the module doc); returns how many moved.
+    ``first`` puts them behind the empty (hash-less) blocks at the front — those cost nothing to
+    take, so they go before any cached block — and ahead of every other cached block (at most
+    :data:`EMPTY_WALK_LIMIT` empty blocks are stepped over: with more free, nothing is evicted
+    soon anyway). ``blocks`` are given in eviction order (the first one is evicted first).
+    Blocks in use or without a hash are skipped. Private API (see the module doc); returns how
+    many moved.
     """
     seen: set[int] = set()
     moved: list[KVCacheBlock] = []
@@ -131,10 +140,25 @@ def reorder(pool: BlockPool, blocks: Sequence[KVCacheBlock], *, first: bool) -> 
     for b in moved:
         queue.remove(b)
     if first:
+        empty = _leading_empty(pool, EMPTY_WALK_LIMIT)
+        for b in empty:
+            queue.remove(b)
         queue.prepend_n(moved)
+        queue.prepend_n(empty)
     else:
         queue.append_n(moved)
     return len(moved)
+
+
+def _leading_empty(pool: BlockPool, limit: int) -> list[KVCacheBlock]:
+    """The hash-less blocks at the front of the free queue, front first (at most ``limit``)."""
+    queue = pool.free_block_queue
+    block, tail = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail
+    out: list[KVCacheBlock] = []
+    while block is not None and block is not tail and block.block_hash is None and len(out) < limit:
+        out.append(block)
+        block = block.next_free_block
+    return out
 
 
 def blocks_ahead(pool: BlockPool, block_ids: set[int], limit: int) -> int:
@@ -149,16 +173,26 @@ def blocks_ahead(pool: BlockPool, block_ids: set[int], limit: int) -> int:
     return n
 
 
-def in_eviction_window(pool: BlockPool, wanted: Callable[[bytes], bool], n: int) -> list[KVCacheBlock]:
+def in_eviction_window(
+    pool: BlockPool,
+    wanted: Callable[[bytes], bool],
+    n: int,
+    skip: Callable[[bytes], bool] | None = None,
+) -> list[KVCacheBlock]:
     """The cached free blocks whose block hash is ``wanted`` that vLLM would evict before ``n``
-    other free blocks, front first (O(window))."""
+    other free blocks, front first (O(window)). Blocks whose hash is ``skip`` (the admitting
+    request's own prefix hits: vLLM takes them out of the queue before it allocates) are
+    stepped over: neither found nor counted."""
     queue = pool.free_block_queue
     block, tail = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail
     found: list[KVCacheBlock] = []
     others = 0
     while block is not None and block is not tail and others < n:
         h = block.block_hash
-        if h is not None and wanted(bytes(h)[:-GROUP_ID_BYTES]):
+        bare = bytes(h)[:-GROUP_ID_BYTES] if h is not None else None
+        if bare is not None and skip is not None and skip(bare):
+            pass
+        elif bare is not None and wanted(bare):
             found.append(block)
         else:
             others += 1

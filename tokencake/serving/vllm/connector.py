@@ -473,6 +473,17 @@ class TokenCakeConnector(KVConnectorBase_V1):
         # Returned with the response (vLLM's kv_transfer_params): where this request's KV came from.
         return False, ({"tokencake_kv": provenance} if provenance is not None else None)
 
+    def release_device_holds(self) -> int:
+        """Called by TokenCake's scheduler right before vLLM resets its prefix cache (which refuses
+        while blocks are in use): the chains the policy holds on device are given back."""
+        if self.sched is None:
+            return 0
+        try:
+            return self.sched.release_device_holds()
+        except Exception:
+            self._count_error("release_device_holds")
+            return 0
+
     def reset_cache(self) -> bool | None:
         """vLLM reset its prefix cache (e.g. new weights): host copies are stale, drop them all."""
         if self.sched is None:

@@ -155,13 +155,30 @@ def _swap_waiting_queue(scheduler: Any) -> None:
     log.info("TokenCake spatial scheduler on: waiting requests by %s order", admission or "spatial")
 
 
-class _SyncSpatialScheduler(Scheduler):
+class _ReleasesHoldsOnReset:
+    """vLLM resets its block pool before it tells the connector, and the pool reset refuses while
+    any block is in use — so ``pause(clear_cache=True)``, ``sleep`` and weight-update resets
+    would raise while the KV policy holds a chain on device. Give the holds back first, when
+    the reset can succeed (running requests are preempted by it, or there are none)."""
+
+    running: list[Request]
+    connector: Any
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        if reset_running_requests or not self.running:
+            release = getattr(self.connector, "release_device_holds", None)
+            if callable(release):
+                release()
+        return super().reset_prefix_cache(reset_running_requests, reset_connector)  # type: ignore[misc]
+
+
+class _SyncSpatialScheduler(_ReleasesHoldsOnReset, Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _swap_waiting_queue(self)
 
 
-class _AsyncSpatialScheduler(AsyncScheduler):
+class _AsyncSpatialScheduler(_ReleasesHoldsOnReset, AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _swap_waiting_queue(self)

@@ -323,6 +323,8 @@ class SchedulerSide:
         self._jobs: dict[int, _Job] = {}
         self._outbox: list[CopyJob] = []
         self._stalls: dict[str, _Stall] = {}
+        #: Block hash -> the live stalls whose chain holds it (a shared prompt: several).
+        self._stall_users: dict[bytes, set[str]] = {}
         self._ended: dict[str, _Stall] = {}
         #: Last ended/expired stall per session (to account the session's next request).
         self._last_stall: ByteLRU[str, _Stall] = ByteLRU(max_items=4096, max_bytes=64 << 20)
@@ -962,7 +964,8 @@ class SchedulerSide:
         need = -(-int(request.num_tokens) // self.block_size) - len(computed) + evictable + 1
         arrived = self._arrival.get(request.request_id)
         waited = self.clock() - arrived if arrived is not None else math.inf  # re-admission: no reserve
-        if self._spare_critical_chains(info, need, waited):
+        own_hits = frozenset(bytes(h) for h in computed)
+        if self._spare_critical_chains(info, need, waited, own_hits, evictable):
             return True
         if not self._kept or bp.num_free(pool) >= need:
             return False
@@ -997,7 +1000,14 @@ class SchedulerSide:
                 if not owners:
                     del self._critical_owners[h]
 
-    def _spare_critical_chains(self, info: _ReqInfo | None, need: int, waited_s: float) -> bool:
+    def _spare_critical_chains(
+        self,
+        info: _ReqInfo | None,
+        need: int,
+        waited_s: float,
+        own_hits: frozenset[bytes] = frozenset(),
+        own_free: int = 0,
+    ) -> bool:
         """Critical-last: a non-critical or plain admission about to allocate ``need`` blocks
         evicts other idle blocks before the idle chain of a critical-path session that is
         expected back (it announced a tool call: until that call's stall expiry, while the tool
@@ -1013,7 +1023,10 @@ class SchedulerSide:
         the session to return. Unlike held chains (pinned, so capped at
         ``critical_reserve_frac`` of the device), idle chains cost no one memory: what bounds
         this reserve is time — the wait ends with the admission's slack,
-        ``critical_reserve_wait_s``, or the engine's last running request. Spatial scheduler only.
+        ``critical_reserve_wait_s``, or the engine's last running request. The admission's own
+        prefix hits (``own_hits``, ``own_free`` of them in the free queue and counted in ``need``:
+        vLLM takes them before it allocates, so it never evicts them) are stepped over, and its
+        own session's chain is never reserved against it. Spatial scheduler only.
         """
         pool = self.pool
         if not self.critical_last or pool is None or (info is not None and info.critical):
@@ -1023,6 +1036,7 @@ class SchedulerSide:
             return False
         waiting: set[str] | None = None  # built only if a watched block is in the window
         may_wait = info is not None and self._may_wait_for_reserve(info, waited_s)
+        own = info.session_id if info is not None else None
 
         def back(sid: str) -> bool:
             """Expected back: its stall_begin may not have come yet, the tool runs, or its next
@@ -1037,18 +1051,20 @@ class SchedulerSide:
 
         def reserved(h: bytes) -> bool:
             sids = owners.get(h)
-            return bool(sids) and any(back(sid) for sid in sids)
+            return bool(sids) and any(sid != own and back(sid) for sid in sids)
 
         def spare(h: bytes) -> bool:
             return reserved(h) and (may_wait or self.host.lookup(h) is None)
 
-        spared = bp.in_eviction_window(pool, spare, need)
+        window = need - own_free  # the blocks it evicts or takes fresh
+        skip = own_hits.__contains__ if own_hits else None
+        spared = bp.in_eviction_window(pool, spare, window, skip)
         if spared:
             moved = bp.reorder(pool, spared, first=False)
             self.stats.inc("spatial.critical_spared_blocks", moved)
         if not may_wait or not spared or bp.num_free(pool) < need:
             return False  # (a request that does not fit waits anyway, in vLLM's queue order)
-        if not bp.in_eviction_window(pool, reserved, need):
+        if not bp.in_eviction_window(pool, reserved, window, skip):
             return False
         self.stats.inc("spatial.critical_reserve_waits")  # steps an admission waited
         if info is not None and not info.reserve_waited:
@@ -1085,14 +1101,6 @@ class SchedulerSide:
         """
         req_id = request.request_id
         info = self._reqs.get(req_id)
-        if (info is None or not info.critical) and len(self._critical_idle) and self._critical_before is None:
-            self._critical_before = self._critical_cached()  # once per scheduling pass (kept current)
-        try:
-            if self._make_room(request, num_computed_tokens):
-                return None  # it waits a step for the critical reserve (``_spare_critical_chains``)
-        except Exception:  # room is an optimisation: never fail the admission over it
-            self.stats.inc("errors.make_room")
-            log.exception("TokenCake: releasing holds for %s failed", req_id)
         if info is not None:
             self._local_hit[req_id] = num_computed_tokens
             if info.room_at_arrival is None:
@@ -1110,6 +1118,16 @@ class SchedulerSide:
                 # A copy this slow is not worth waiting for: load on demand (the prefetch's blocks
                 # are its own; whichever lands second is simply not published).
                 self.stats.inc("demand_load.gave_up_waiting")
+        # Admitted this step unless it waits for the critical reserve: make room for it now (not
+        # before a wait for its own prefetch, which would give others' holds away for nothing).
+        if (info is None or not info.critical) and len(self._critical_idle) and self._critical_before is None:
+            self._critical_before = self._critical_cached()  # once per scheduling pass (kept current)
+        try:
+            if self._make_room(request, num_computed_tokens):
+                return None  # it waits a step for the critical reserve (``_spare_critical_chains``)
+        except Exception:  # room is an optimisation: never fail the admission over it
+            self.stats.inc("errors.make_room")
+            log.exception("TokenCake: releasing holds for %s failed", req_id)
         if not self.opts.demand_load or self.pool is None or self.host.num_blocks == 0:
             return 0
         first = num_computed_tokens // self.block_size
@@ -1431,12 +1449,21 @@ class SchedulerSide:
         self.stats.inc("demand_load.plan_failed")
         self._outbox.append(CopyJob(0, "load", list(ids), [], request.request_id, invalid=True))
 
+    def release_device_holds(self) -> int:
+        """vLLM is about to reset its prefix cache, which fails while any device block is in use:
+        give back the chains held on device (keeps, prefetched holds); returns how many. Copies in
+        flight keep their pins until the workers report them (a reset during one still fails,
+        as it does for vLLM's own connectors with transfers in flight)."""
+        n = len(self._kept)
+        for sid in list(self._kept):
+            self._unkeep(sid, "reset")
+        return n
+
     def reset_cache(self) -> bool:
         """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
         self._generation += 1
         self._copied.clear()
-        for sid in list(self._kept):
-            self._unkeep(sid, "reset")
+        self.release_device_holds()
         for sid in list(self._finish_pins):
             self._release_finish_pins(sid)
         dropped = self.host.reset()
@@ -1497,7 +1524,7 @@ class SchedulerSide:
                     log.exception("TokenCake: prefetch for %s failed", sid)
         for sid in self.planner.expired(now):
             # No end in time, or ended long ago without a next request: release the host pins.
-            stall = self._stalls.pop(sid, None)
+            stall = self._pop_stall(sid)
             if stall is not None:
                 self._forget_active(stall)
                 self.sessions.expire(sid, "no_stall_end")
@@ -1514,6 +1541,22 @@ class SchedulerSide:
             except Exception:
                 self.stats.inc("errors.transition")
                 log.exception("TokenCake: stall transition %s failed", tr.kind)
+
+    def _add_stall(self, stall: _Stall) -> None:
+        self._stalls[stall.stall_id] = stall
+        for h in stall.hashes:
+            self._stall_users.setdefault(h, set()).add(stall.stall_id)
+
+    def _pop_stall(self, stall_id: str) -> _Stall | None:
+        stall = self._stalls.pop(stall_id, None)
+        if stall is not None:
+            for h in stall.hashes:
+                users = self._stall_users.get(h)
+                if users is not None:
+                    users.discard(stall_id)
+                    if not users:
+                        del self._stall_users[h]
+        return stall
 
     def _forget_active(self, stall: _Stall) -> None:
         if self._session_stall.get(stall.session_id) == stall.stall_id:
@@ -1542,12 +1585,12 @@ class SchedulerSide:
                 self.transfer.estimate("h2d", len(hashes) * self.block_bytes) + self.opts.prefetch_margin_s
             )
             self.stats.inc(f"forecast.source.{fc.source}")
-            self._stalls[stall.stall_id] = stall
+            self._add_stall(stall)
             self._session_stall[stall.session_id] = stall.stall_id
             self._evaluate(stall, now)
             self._release_finish_pins(stall.session_id)  # the stall pins what it keeps
         elif tr.kind == "end":
-            stall = self._stalls.pop(tr.stall_id, None)
+            stall = self._pop_stall(tr.stall_id)
             ev = tr.event
             if stall is None:
                 return
@@ -1577,7 +1620,7 @@ class SchedulerSide:
             elif plan is not None:
                 self.planner.end(stall.stall_id, now=tr.at)
         else:  # expired by the tracker's safety net
-            stall = self._stalls.pop(tr.stall_id, None)
+            stall = self._pop_stall(tr.stall_id)
             if stall is not None:
                 self._forget_active(stall)
                 self._expire(stall, tr.detail or "expired")
@@ -1643,7 +1686,8 @@ class SchedulerSide:
             self._keep(stall.session_id, chain, now + plan.keep_s, now)
         elif plan.action == "discard" and self.demote_enabled:
             # Nothing is copied: the idle device blocks are the first to go (tail first).
-            moved = bp.reorder(self.pool, self._chain_blocks(stall, on_host_only=False), first=True)
+            blocks = self._chain_blocks(stall, on_host_only=False, first_in_line=True)
+            moved = bp.reorder(self.pool, blocks, first=True)
             self.stats.inc("evict_order.discarded_blocks", moved)
         if plan.action != "offload":
             stall.next_eval = now + self._retry_in(stall) if plan.retry else float("inf")
@@ -1756,8 +1800,15 @@ class SchedulerSide:
         return risk
 
     # ---- eviction order
-    def _chain_blocks(self, stall: _Stall, *, on_host_only: bool) -> list[KVCacheBlock]:
-        """The stall's cached device blocks in eviction order (tail first, the head last)."""
+    def _chain_blocks(
+        self, stall: _Stall, *, on_host_only: bool, first_in_line: bool = False
+    ) -> list[KVCacheBlock]:
+        """The stall's cached device blocks in eviction order (tail first, the head last).
+
+        ``first_in_line``: they are about to go to the front of the eviction queue; a block that
+        another live stall's chain shares (a common system prompt) is left out when that stall
+        should keep it longer (:meth:`_kept_by_another`), so one session's demotion never costs
+        the others their device hits."""
         assert self.pool is not None
         out: list[KVCacheBlock] = []
         for h in stall.hashes:
@@ -1766,9 +1817,25 @@ class SchedulerSide:
                 continue
             if on_host_only and self.host.lookup(h) is None:
                 continue
+            if first_in_line and self._kept_by_another(stall, h):
+                continue
             out.append(block)
         out.reverse()
         return out
+
+    def _kept_by_another(self, stall: _Stall, h: bytes) -> bool:
+        """Whether another live stall that holds block ``h`` should lose it later than ``stall``:
+        one not demoted (it was not offloaded, or is not evicted first), or one demoted behind it
+        (an equal or lower eviction rank). A shared block then moves with that stall, if ever."""
+        users = self._stall_users.get(h)
+        if not users or (len(users) == 1 and stall.stall_id in users):
+            return False
+        rank = self._evict_rank(stall)
+        for sid in users:
+            other = self._stalls.get(sid) if sid != stall.stall_id else None
+            if other is not None and (sid not in self._demoted or self._evict_rank(other) <= rank):
+                return True
+        return False
 
     def _demote(self, stall: _Stall) -> None:
         """Put the idle device blocks of an offloaded stall first in line for eviction.
@@ -1797,7 +1864,8 @@ class SchedulerSide:
             order = sorted(demoted, key=rank)
         moved = 0
         for s in order:  # each batch goes in front of the previous one: the latest return ends first
-            moved += bp.reorder(self.pool, self._chain_blocks(s, on_host_only=True), first=True)
+            blocks = self._chain_blocks(s, on_host_only=True, first_in_line=True)
+            moved += bp.reorder(self.pool, blocks, first=True)
         self.stats.inc("evict_order.demoted_blocks", moved)
 
     def _evict_rank(self, stall: _Stall) -> tuple[int, float]:
@@ -1823,7 +1891,7 @@ class SchedulerSide:
             self._evaluate(stall, now)
         expiry = self._expiry(stall.predicted_s)
         if not stall.offloaded and now - stall.begin_at >= expiry:  # offloaded: the planner expires it
-            self._stalls.pop(stall.stall_id, None)
+            self._pop_stall(stall.stall_id)
             self._forget_active(stall)
             self.sessions.expire(stall.stall_id, "no_stall_end")
             self._expire(stall, "no_stall_end")
