@@ -8,7 +8,7 @@ import tracemalloc
 import pytest
 
 from tokencake.events import EventAck, StallBegin, StallEnd
-from tokencake.serving.sessions import ByteLRU, SessionTracker, hashes_nbytes
+from tokencake.serving.sessions import BlockUsers, ByteLRU, SessionTracker, hashes_nbytes
 
 
 class Clock:
@@ -349,3 +349,17 @@ def test_byte_lru_reports_what_its_bounds_push_out() -> None:
     lru.put("c", 3, 10)
     lru.put("d", 4, 10)
     assert gone == [("a", 1)] and list(dict(lru.items())) == ["c", "d"]
+
+
+def test_block_users_name_the_other_stalls_that_hold_a_block() -> None:
+    """A shared system prompt: both stalls hold its blocks; each one's own tail is its alone."""
+    users = BlockUsers()
+    users.add("sA", [b"sys0", b"sys1", b"a0"])
+    users.add("sB", [b"sys0", b"sys1", b"b0"])
+    assert users.others("sA", b"sys0") == ["sB"] and users.others("sB", b"sys1") == ["sA"]
+    assert users.others("sA", b"a0") == [] and users.others("sA", b"unknown") == []
+    users.remove("sB", [b"sys0", b"sys1", b"b0"])
+    assert users.others("sA", b"sys0") == [] and len(users) == 3
+    users.remove("sA", [b"sys0", b"sys1", b"a0"])
+    users.remove("sA", [b"sys0"])  # twice: nothing left, no error
+    assert len(users) == 0

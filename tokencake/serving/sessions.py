@@ -37,6 +37,7 @@ from typing import Any, Generic, Literal, TypeVar
 from tokencake.events import WIRE_VERSION, EventAck, StallBegin, StallEnd
 
 __all__ = [
+    "BlockUsers",
     "ByteLRU",
     "SessionBlocks",
     "SessionTracker",
@@ -57,6 +58,39 @@ HASH_NBYTES = sys.getsizeof(b"\0" * 32) + 8
 def hashes_nbytes(hashes: Sequence[bytes]) -> int:
     """Bytes a tuple of block hashes keeps alive (``sys.getsizeof`` of the tuple and its items)."""
     return sys.getsizeof(hashes) + sum(sys.getsizeof(h) for h in hashes)
+
+
+class BlockUsers:
+    """Block key -> the live stalls whose chain holds that block.
+
+    Agents that share a system prompt share its blocks, so one session's idle chain can be the head
+    of others'. The connector and the simulator keep one of these to leave a shared block out of
+    a demotion while another stall should keep it longer (``_kept_by_another``)."""
+
+    def __init__(self) -> None:
+        self._users: dict[Hashable, set[str]] = {}
+
+    def add(self, stall_id: str, keys: Sequence[Hashable]) -> None:
+        for k in keys:
+            self._users.setdefault(k, set()).add(stall_id)
+
+    def remove(self, stall_id: str, keys: Sequence[Hashable]) -> None:
+        for k in keys:
+            users = self._users.get(k)
+            if users is not None:
+                users.discard(stall_id)
+                if not users:
+                    del self._users[k]
+
+    def others(self, stall_id: str, key: Hashable) -> list[str]:
+        """The other live stalls that hold ``key`` (usually none: an empty list, no allocation)."""
+        users = self._users.get(key)
+        if not users or (len(users) == 1 and stall_id in users):
+            return []
+        return [sid for sid in users if sid != stall_id]
+
+    def __len__(self) -> int:
+        return len(self._users)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from tokencake.serving.host_pool import HostPool, HostPoolExhausted, preemption_
 from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
+from tokencake.serving.sessions import BlockUsers
 from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank, reserved_sessions
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class KVExtension:
         )
         self._stalls: dict[str, _Stall] = {}  # active (tool running)
         #: Block key -> the active stalls whose chain holds it (a shared prompt: several).
-        self._stall_users: dict[Any, set[str]] = {}
+        self._stall_users = BlockUsers()
         self._session_stall: dict[str, _Stall] = {}  # session -> its active stall
         self._last_stall: dict[str, _Stall] = {}  # session -> its last ended stall (next-turn accounting)
         self._chains: dict[str, list[bytes]] = {}  # session -> keys of its last finished request
@@ -403,30 +404,24 @@ class KVExtension:
     def _kept_by_another(self, stall: _Stall, k: Any) -> bool:
         """The connector's ``_kept_by_another``: another active stall holding block ``k`` that is
         not demoted, or demoted behind ``stall`` (an equal or lower eviction rank)."""
-        users = self._stall_users.get(k)
-        if not users or (len(users) == 1 and stall.stall_id in users):
+        others = self._stall_users.others(stall.stall_id, k)
+        if not others:
             return False
         rank = self._evict_rank(stall)
-        for sid in users:
-            other = self._stalls.get(sid) if sid != stall.stall_id else None
-            if other is not None and (other not in self._demoted or self._evict_rank(other) <= rank):
-                return True
-        return False
+        return any(
+            (other := self._stalls.get(sid)) is not None
+            and (other not in self._demoted or self._evict_rank(other) <= rank)
+            for sid in others
+        )
 
     def _add_stall(self, stall: _Stall) -> None:
         self._stalls[stall.stall_id] = stall
-        for k in stall.keys:
-            self._stall_users.setdefault(k, set()).add(stall.stall_id)
+        self._stall_users.add(stall.stall_id, stall.keys)
 
     def _pop_stall(self, stall_id: str) -> _Stall | None:
         stall = self._stalls.pop(stall_id, None)
         if stall is not None:
-            for k in stall.keys:
-                users = self._stall_users.get(k)
-                if users is not None:
-                    users.discard(stall_id)
-                    if not users:
-                        del self._stall_users[k]
+            self._stall_users.remove(stall_id, stall.keys)
         return stall
 
     def _demote(self, stall: _Stall) -> None:

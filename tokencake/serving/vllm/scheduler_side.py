@@ -57,7 +57,7 @@ from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
 from tokencake.serving.profile import PrefillProfile
-from tokencake.serving.sessions import ByteLRU, SessionTracker, StallTransition, hashes_nbytes
+from tokencake.serving.sessions import BlockUsers, ByteLRU, SessionTracker, StallTransition, hashes_nbytes
 from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank, reserved_sessions
 from tokencake.serving.stats import Stats
 from tokencake.serving.vllm import _blockpool as bp
@@ -324,7 +324,7 @@ class SchedulerSide:
         self._outbox: list[CopyJob] = []
         self._stalls: dict[str, _Stall] = {}
         #: Block hash -> the live stalls whose chain holds it (a shared prompt: several).
-        self._stall_users: dict[bytes, set[str]] = {}
+        self._stall_users = BlockUsers()
         self._ended: dict[str, _Stall] = {}
         #: Last ended/expired stall per session (to account the session's next request).
         self._last_stall: ByteLRU[str, _Stall] = ByteLRU(max_items=4096, max_bytes=64 << 20)
@@ -1544,18 +1544,12 @@ class SchedulerSide:
 
     def _add_stall(self, stall: _Stall) -> None:
         self._stalls[stall.stall_id] = stall
-        for h in stall.hashes:
-            self._stall_users.setdefault(h, set()).add(stall.stall_id)
+        self._stall_users.add(stall.stall_id, stall.hashes)
 
     def _pop_stall(self, stall_id: str) -> _Stall | None:
         stall = self._stalls.pop(stall_id, None)
         if stall is not None:
-            for h in stall.hashes:
-                users = self._stall_users.get(h)
-                if users is not None:
-                    users.discard(stall_id)
-                    if not users:
-                        del self._stall_users[h]
+            self._stall_users.remove(stall_id, stall.hashes)
         return stall
 
     def _forget_active(self, stall: _Stall) -> None:
@@ -1827,15 +1821,15 @@ class SchedulerSide:
         """Whether another live stall that holds block ``h`` should lose it later than ``stall``:
         one not demoted (it was not offloaded, or is not evicted first), or one demoted behind it
         (an equal or lower eviction rank). A shared block then moves with that stall, if ever."""
-        users = self._stall_users.get(h)
-        if not users or (len(users) == 1 and stall.stall_id in users):
+        others = self._stall_users.others(stall.stall_id, h)
+        if not others:
             return False
         rank = self._evict_rank(stall)
-        for sid in users:
-            other = self._stalls.get(sid) if sid != stall.stall_id else None
-            if other is not None and (sid not in self._demoted or self._evict_rank(other) <= rank):
-                return True
-        return False
+        return any(
+            (other := self._stalls.get(sid)) is not None
+            and (sid not in self._demoted or self._evict_rank(other) <= rank)
+            for sid in others
+        )
 
     def _demote(self, stall: _Stall) -> None:
         """Put the idle device blocks of an offloaded stall first in line for eviction.
