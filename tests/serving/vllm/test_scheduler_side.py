@@ -1776,21 +1776,31 @@ def test_a_critical_chain_safe_on_host_keeps_its_place(pool: BlockPool, clock: C
 
 
 def _reserve_case(
-    pool: BlockPool, clock: Clock, *, blocks: int, slack: float = 5.0, running: int = 1, **opts: Any
+    pool: BlockPool,
+    clock: Clock,
+    *,
+    blocks: int,
+    slack: float = 5.0,
+    running: int = 1,
+    crit_blocks: int = 3,
+    shares_prompt: bool = False,
+    **opts: Any,
 ) -> tuple[SchedulerSide, Any, list[bytes], list[bytes]]:
     """A critical-path session away on a tool call with its chain safe on host (the older idle
     chain), a non-critical session's idle chain, and a non-critical agent request (``slack`` s)
-    asking for ``blocks`` of the 15 free blocks (9 never used) while ``running`` requests run."""
+    asking for ``blocks`` of the 15 free blocks (9 never used) while ``running`` requests run.
+    ``shares_prompt``: the request's prompt starts with the critical chain (a shared prompt)."""
     side = make_side(pool, clock, offload=False, **opts)
     side.critical_last = True
-    crit, other = chain("crit", 3), chain("other", 3)
+    crit, other = chain("crit", crit_blocks), chain("other", 3)
     finish_turn(side, pool, crit, "c1", session="run:C", next_tool=5.0, critical=True)
     finish_turn(side, pool, other, "o1", session="run:O", next_tool=5.0)
     side.handle_event(begin("sC", "run:C", predicted=5.0))
     side.build_meta()
     put_on_host(side, crit)
     side.observe_step(BS, num_running=running)
-    req = request("n", chain("n", 1), (blocks - 1) * BS, session="run:N", slack=slack)
+    prompt = (crit if shares_prompt else []) + chain("n", 1)
+    req = request("n", prompt, (blocks - 1) * BS, session="run:N", slack=slack)
     side.on_new_request(req)
     return side, req, crit, other
 
@@ -1881,19 +1891,9 @@ def test_an_admission_does_not_wait_for_a_reserved_chain_that_is_its_own_prefix_
     """A shared system prompt: the critical session's idle chain is the non-critical request's
     own device prefix hit. vLLM takes those blocks for the request before it allocates, so the
     admission can never evict them: nothing to wait for, nothing to spare, no inversion."""
-    side = make_side(pool, clock, offload=False)
-    side.critical_last = True
-    crit, other = chain("crit", 2), chain("other", 3)
-    finish_turn(side, pool, crit, "c1", session="run:C", next_tool=5.0, critical=True)
-    finish_turn(side, pool, other, "o1", session="run:O", next_tool=5.0)
-    side.handle_event(begin("sC", "run:C", predicted=5.0))
-    side.build_meta()
-    put_on_host(side, crit)
-    side.observe_step(BS, num_running=1)
-    assert bp.num_free(pool) == 15  # 10 never used, the critical chain, the other chain
-    # 14 blocks: the 2 it hits (the critical chain) and 12 fresh of the 13 other free blocks.
-    req = request("n", crit + chain("n", 1), 14 * BS - 1, session="run:N", slack=5.0)
-    side.on_new_request(req)
+    # 15 blocks asked: the 2 it hits (the critical chain) and 12 fresh + 1 of the 13 other free
+    # blocks (10 never used, the other chain).
+    side, req, crit, _other = _reserve_case(pool, clock, blocks=15, crit_blocks=2, shares_prompt=True)
     assert side.get_num_new_matched_tokens(req, 2 * BS) == 0
     assert side.stats.counter("spatial.critical_reserve_waits") == 0
     assert side.stats.counter("spatial.critical_spared_blocks") == 0
