@@ -108,6 +108,26 @@ def test_generated_presets_scale() -> None:
         generate("stress", agents=0)
 
 
+def test_generated_stress_takes_agent_mix_overrides() -> None:
+    trace = generate(
+        "stress",
+        agents=4,
+        mix={"tool_median_s": 10.0, "tool_sigma": 0.0, "hint_error": 0.5, "turns": [2, 2], "stagger_s": 0.0},
+    )
+    worker = trace.apps[0].nodes[0]
+    tools = [s for s in worker.steps if isinstance(s, ToolStep)]
+    assert len(tools) == 1 and tools[0].actual_s == pytest.approx(10.0)  # sigma 0: every call the median
+    hints = {t.predicted_s for n in trace.apps[0].nodes for t in n.steps if isinstance(t, ToolStep)}
+    assert hints == {10.0, 20.0}  # crawl's hint 2x too large
+    assert not any(isinstance(s, DelayStep) for n in trace.apps[0].nodes for s in n.steps)
+    with pytest.raises(ValueError, match="stress preset"):
+        generate("ci", mix={"tool_sigma": 1.0})
+    with pytest.raises(ValueError, match="cannot override seed"):
+        generate("stress", mix={"seed": 3})
+    with pytest.raises(ValueError, match="unknown parameter"):
+        generate("stress", mix={"tool_sigm": 1.0})
+
+
 def test_priorities_follow_the_critical_path_as_the_sdk_computes_them(tmp_path: Path) -> None:
     from tokencake.sim.trace import with_priorities
 

@@ -79,6 +79,7 @@ def generate(
     output_tokens: int = 24,
     shared_prefix_tokens: int = 0,
     seed: int = 0,
+    mix: Mapping[str, Any] | None = None,
 ) -> Trace:
     """A synthetic trace shaped like ``preset`` at any size.
 
@@ -86,10 +87,18 @@ def generate(
     calls each. ``stress``: ``agents`` workers in total (default 4), in fan-in apps of at most
     ``WORKERS_PER_APP`` workers + a join (or ``apps`` apps sharing them), arriving as a Poisson
     process at ``rate`` apps/s (default 0.25); ``turns`` fixes each worker's call count (default
-    3–5). Contexts default to the preset's (1,000 / 1,200 tokens).
+    3–5). Contexts default to the preset's (1,000 / 1,200 tokens). ``mix`` (stress only) overrides
+    any other :class:`~tokencake.bench.agent_mix.AgentMixSpec` knob of every app — tool-time median,
+    shape and cap, the wrong hint's error, the stagger, a turn range — so a sweep can draw
+    workloads unlike the preset's.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if mix and preset != "stress":
+        raise ValueError("mix overrides apply to the stress preset's agent_mix apps only")
+    fixed = {"workers", "seed", "context_tokens", "shared_prefix_tokens", "max_tokens"} & set(mix or ())
+    if fixed:
+        raise ValueError(f"mix cannot override {', '.join(sorted(fixed))}: use generate()'s own arguments")
     for name, value in (
         ("agents", agents),
         ("turns", turns),
@@ -130,6 +139,7 @@ def generate(
                 "shared_prefix_tokens": shared_prefix_tokens,
                 "max_tokens": output_tokens,
                 "seed": seed + i,
+                **(mix or {}),
             }
             out.append(
                 with_priorities(
