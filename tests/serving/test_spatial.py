@@ -137,6 +137,7 @@ def test_preemptions_and_app_age_move_a_request_ahead() -> None:
     old_plain=st.booleans(),
     age=st.floats(0, 1e4),
     retained=st.booleans(),
+    saved=st.booleans(),
 )
 def test_no_request_is_overtaken_longer_than_the_bound(
     critical: bool,
@@ -149,6 +150,7 @@ def test_no_request_is_overtaken_longer_than_the_bound(
     old_plain: bool,
     age: float,
     retained: bool,
+    saved: bool,
 ) -> None:
     """Whatever arrives later, a request that has waited max_overtake_s more ranks first."""
     s = SpatialScorer()
@@ -157,7 +159,9 @@ def test_no_request_is_overtaken_longer_than_the_bound(
     waiting = None if old_plain else meta(critical=old_critical, slack=old_slack, run="old")
     bound = s.max_overtake_s()
     old_key = s.order_key(waiting, arrival=0.0, preemptions=0, now=100.0)
-    new_key = s.order_key(newcomer, arrival=bound + 1e-6, preemptions=pre, now=100.0, retained=retained)
+    new_key = s.order_key(
+        newcomer, arrival=bound + 1e-6, preemptions=pre, now=100.0, retained=retained, saved=saved
+    )
     assert old_key < new_key + 1e-9
 
 
@@ -170,6 +174,25 @@ def test_a_session_whose_kv_is_held_goes_first_among_equals() -> None:
     assert held < other  # 10 s of retained credit beat 5 s of waiting
     later = 5.0 + w.retained_s / w.aging + 1.0  # bounded: it waited longer than the credit is worth
     assert s.order_key(m, arrival=later, preemptions=0, now=10.0, retained=True) > other
+
+
+def test_a_session_whose_chain_is_saved_on_host_goes_first_among_equals() -> None:
+    s = SpatialScorer()
+    m = meta(slack=5.0)
+    w = s.weights
+    other = s.order_key(m, arrival=5.0, preemptions=0, now=10.0)
+    saved = s.order_key(m, arrival=10.0, preemptions=0, now=10.0, saved=True)
+    assert saved < other  # a load instead of a prefill, and its pinned host copies go back sooner
+    later = 5.0 + w.saved_s / w.aging + 1.0  # bounded like the retained credit
+    assert s.order_key(m, arrival=later, preemptions=0, now=10.0, saved=True) > other
+    # The credits do not add up: a chain held on device and saved on host counts once.
+    both = s.order_key(m, arrival=10.0, preemptions=0, now=10.0, retained=True, saved=True)
+    assert both == s.order_key(m, arrival=10.0, preemptions=0, now=10.0, retained=True)
+    # Continuum's order credits only KV retained on device (its TTL pin).
+    c = SpatialScorer(admission_weights("continuum"))
+    assert c.order_key(m, arrival=10.0, preemptions=0, now=10.0, saved=True) == c.order_key(
+        m, arrival=10.0, preemptions=0, now=10.0
+    )
 
 
 def test_the_order_key_sorts_as_the_scores_do_later() -> None:

@@ -17,7 +17,8 @@ A score is in seconds of slack; lower is admitted first::
             − per_remaining_depth_s × min(remaining_depth, max_depth)    node's slack
     score = base − app_age × (now − app start) − aging × waited
             − per_preemption_s × min(preemptions, max_preemptions)
-            − retained_s if the session's KV is held on device for it (a keep or a prefetched chain)
+            − retained_s if the session's KV is held on device for it (a keep or a prefetched chain),
+              else saved_s if its last chain is saved on host (copies pinned for this request)
 
 The app start is when the scorer first saw the app, but never more than ``max_app_age_s`` before the
 request arrived (an app is "old" by at most that much); a plain request is a one-request app that
@@ -111,6 +112,12 @@ class SpatialWeights:
     #: The session's KV is held on device for it (a keep, or a prefetched chain): admitting it
     #: first uses those blocks before they have to yield, and it needs the fewest new ones.
     retained_s: float = 10.0
+    #: Else its last chain is saved on host (at least half of it, from the head): it resumes with a
+    #: load instead of a prefill, and its copies stay pinned while it waits, so admitting it first
+    #: gives those host slots back to other sessions' saves. Without it, on a host pool smaller than
+    #: the working set the order by slack alone let such requests wait while new saves found the
+    #: pool full (simulator, ``docs/simulation.md`` §6.4).
+    saved_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.aging > 0:
@@ -123,6 +130,7 @@ class SpatialWeights:
             "app_age",
             "per_preemption_s",
             "retained_s",
+            "saved_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -141,6 +149,7 @@ ADMISSIONS: dict[str, SpatialWeights] = {
         app_age=0.0,
         per_preemption_s=0.0,
         retained_s=30.0,
+        saved_s=0.0,
     ),
 }
 
@@ -210,11 +219,17 @@ class SpatialScorer:
         preemptions: int,
         now: float,
         retained: bool = False,
+        saved: bool = False,
     ) -> float:
         """The score at ``now`` of a request that has waited ``waited_s`` (see the module)."""
         w = self.weights
         key = self.order_key(
-            meta, arrival=now - max(waited_s, 0.0), preemptions=preemptions, now=now, retained=retained
+            meta,
+            arrival=now - max(waited_s, 0.0),
+            preemptions=preemptions,
+            now=now,
+            retained=retained,
+            saved=saved,
         )
         return key - (w.aging + w.app_age) * now
 
@@ -237,7 +252,7 @@ class SpatialScorer:
             w.critical_s
             + w.per_remaining_depth_s * w.max_depth
             + w.per_preemption_s * w.max_preemptions  # a preempted request re-enters the queue
-            + w.retained_s
+            + max(w.retained_s, w.saved_s)
         )
         return (highest - lowest + w.app_age * w.max_app_age_s) / (w.aging + w.app_age)
 
@@ -249,6 +264,7 @@ class SpatialScorer:
         preemptions: int,
         now: float,
         retained: bool = False,
+        saved: bool = False,
     ) -> float:
         """A key that sorts requests as their scores do at any later time.
 
@@ -259,6 +275,6 @@ class SpatialScorer:
         """
         w = self.weights
         bonus = w.per_preemption_s * min(max(preemptions, 0), w.max_preemptions)
-        bonus += w.retained_s if retained else 0.0
+        bonus += w.retained_s if retained else w.saved_s if saved else 0.0
         start = self.app_start(meta, arrival=arrival, now=now)
         return self.base(meta) + w.app_age * start + w.aging * arrival - bonus

@@ -364,16 +364,19 @@ class Engine:
     def _queue_key(self, req: Request) -> tuple[float, float, int]:
         """priority: (priority, arrival); spatial: the score's order key (``spatial.order_key``) from
         what a trace knows of the node — on the critical path when its priority is 0, else its
-        priority as seconds of slack — its app, its preemptions and whether its chain is held."""
+        priority as seconds of slack — its app, its preemptions and whether its chain is held on
+        device or saved on host."""
         if self.scheduling == "priority":
             return (float(req.priority), req.arrival, req.rid)
         meta = None
         if req.run_id:
             graph = GraphMeta(on_critical_path=req.priority == 0, slack_s=float(req.priority))
             meta = RequestMeta(session_id=req.session.session_id, run_id=req.run_id, node="", graph=graph)
-        held = self.ext is not None and self.ext.holds_kv(req.session.session_id)
+        sid = req.session.session_id
+        held = self.ext is not None and self.ext.holds_kv(sid)
+        saved = not held and self.ext is not None and self.ext.saved_kv(sid)
         key = self.scorer.order_key(
-            meta, arrival=req.arrival, preemptions=req.preemptions, now=self.now, retained=held
+            meta, arrival=req.arrival, preemptions=req.preemptions, now=self.now, retained=held, saved=saved
         )
         return (key, req.arrival, req.rid)
 

@@ -457,6 +457,12 @@ class KVExtension:
         credit, as ``SchedulerSide.holds_kv``)."""
         return session_id in self._holds
 
+    def saved_kv(self, session_id: str) -> bool:
+        """Whether at least half of the session's last chain is on host from its head (the spatial
+        score's saved credit, as ``SchedulerSide.saved_kv``)."""
+        chain = self._chains.get(session_id)
+        return bool(chain) and 2 * len(self.host.match_prefix(chain, touch=False)) >= len(chain)
+
     def _hold(self, session_id: str, blocks: list[int], until: float, *, rank: float, kind: str) -> None:
         held = self._holds.get(session_id)
         have = set(held.blocks) if held is not None else set()

@@ -952,6 +952,27 @@ def test_a_full_host_pool_keeps_the_sessions_that_return_soonest(pool: BlockPool
     assert_no_pins(pool)
 
 
+def test_saved_kv_says_whether_half_the_sessions_chain_is_on_host_from_its_head(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """The spatial score's saved credit: the session's latest chain, from block 0, at least half
+    on host — not a session without a stall, nor one whose head copy is gone."""
+    side = make_side(pool, clock, prefetch=False, host_blocks=8)
+    assert not side.saved_kv("run:N")  # no stall: nothing saved
+    hashes = _stalled_on_host(side, pool, "A", 4, predicted=5.0)
+    assert side.saved_kv("run:A")  # the tool runs
+    side.handle_event(end("sA", "run:A", duration=1.0))
+    assert side.saved_kv("run:A")  # the tool returned; its request has not been admitted yet
+    side.host.drop(hashes[3])
+    side.host.drop(hashes[2])
+    assert side.saved_kv("run:A")  # two of four from the head: half
+    side.host.drop(hashes[0])
+    assert not side.saved_kv("run:A")  # no head: a load cannot start
+    before = side.host.stats()
+    side.saved_kv("run:A")
+    assert side.host.stats() == before  # asking touches nothing
+
+
 def test_a_save_never_takes_the_copy_of_a_session_returning_sooner(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch=False, host_blocks=4)
     soon = _stalled_on_host(side, pool, "S", 4, predicted=5.0)

@@ -149,6 +149,16 @@ def test_a_request_whose_session_kv_is_held_is_admitted_first() -> None:
     assert drain(q) == ["b", "p", "a"]
 
 
+def test_a_request_whose_session_chain_is_saved_on_host_is_admitted_first() -> None:
+    now = 1000.0
+    saved, held = {"run:b", "run:c"}, {"run:c"}
+    q = ScoredRequestQueue(clock=lambda: now, retained=held.__contains__, saved=saved.__contains__)
+    q.add_request(req("a", now - 3, slack=4.0))
+    q.add_request(req("b", now, slack=4.0))  # newer, but it resumes with a load from host
+    q.add_request(req("c", now + 1, slack=4.0))  # held on device and saved: one credit, not two
+    assert drain(q) == ["b", "c", "a"]
+
+
 def test_the_kv_policy_chooses_the_admission_order() -> None:
     """With the continuum policy the queue is Continuum's (FCFS, retained programs first)."""
     from types import SimpleNamespace

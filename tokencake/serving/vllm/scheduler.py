@@ -75,23 +75,29 @@ class ScoredRequestQueue(RequestQueue):
         scorer: SpatialScorer | None = None,
         clock: Callable[[], float] = time.time,
         retained: Callable[[str], bool] | None = None,
+        saved: Callable[[str], bool] | None = None,
     ) -> None:
         self.scorer = scorer or SpatialScorer()
         self.clock = clock
         #: Whether a session's KV is held on device for it (the connector's keeps and holds).
         self.retained = retained
+        self.saved = saved
         self._heap: list[tuple[float, float, str, int, Request]] = []
         self._seq = itertools.count()
 
     def _entry(self, request: Request) -> tuple[float, float, str, int, Request]:
         arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)
         meta = request_meta(request)
+        sid = meta.session_id if meta is not None else None
+        held = sid is not None and self.retained is not None and self.retained(sid)
+        saved = not held and sid is not None and self.saved is not None and self.saved(sid)
         key = self.scorer.order_key(
             meta,
             arrival=arrival,
             preemptions=int(getattr(request, "num_preemptions", 0) or 0),
             now=self.clock(),
-            retained=meta is not None and self.retained is not None and self.retained(meta.session_id),
+            retained=held,
+            saved=saved,
         )
         return (key, arrival, str(request.request_id), next(self._seq), request)
 
@@ -140,11 +146,13 @@ def _swap_waiting_queue(scheduler: Any) -> None:
         log.warning("TokenCake spatial scheduler off (%s): vLLM's own admission order", reason)
         return
     side = getattr(getattr(scheduler, "connector", None), "sched", None)  # the TokenCake connector's
-    holds = getattr(side, "holds_kv", None)
+    holds, saved = getattr(side, "holds_kv", None), getattr(side, "saved_kv", None)
     # The KV policy chooses the order (Continuum's differs from TokenCake's score).
     admission = getattr(getattr(side, "policy", None), "admission", None)
     queue = ScoredRequestQueue(
-        scorer=SpatialScorer(admission_weights(admission)), retained=holds if callable(holds) else None
+        scorer=SpatialScorer(admission_weights(admission)),
+        retained=holds if callable(holds) else None,
+        saved=saved if callable(saved) else None,
     )
     queue.prepend_requests(list(scheduler.waiting))
     scheduler.waiting = queue

@@ -464,6 +464,15 @@ class SchedulerSide:
         """Whether device blocks are held for this idle session (a policy's keep or a prefetch)."""
         return session_id in self._kept
 
+    def saved_kv(self, session_id: str) -> bool:
+        """Whether at least half of the session's latest chain is on host from its head: its next
+        request resumes with a load, and its copies stay pinned while it waits (the spatial
+        score's ``saved_s``)."""
+        stall = self._active_stall(session_id) or self._last_stall.get(session_id)
+        if stall is None or not stall.hashes:
+            return False
+        return 2 * len(self.host.match_prefix(stall.hashes, touch=False)) >= len(stall.hashes)
+
     def _stall(self, stall_id: str) -> _Stall | None:
         return self._stalls.get(stall_id) or self._ended.get(stall_id)
 
