@@ -159,6 +159,18 @@ def test_a_request_whose_session_chain_is_saved_on_host_is_admitted_first() -> N
     assert drain(q) == ["b", "c", "a"]
 
 
+def test_a_failing_kv_lookup_costs_the_credit_not_the_engine() -> None:
+    now = 1000.0
+
+    def broken(session: str) -> bool:
+        raise RuntimeError("boom")
+
+    q = ScoredRequestQueue(clock=lambda: now, retained=broken, saved=broken)
+    q.add_request(req("a", now - 3, slack=4.0))
+    q.add_request(req("b", now, slack=4.0))
+    assert drain(q) == ["a", "b"]  # no credit for anyone: the order by slack and arrival
+
+
 def test_the_kv_policy_chooses_the_admission_order() -> None:
     """With the continuum policy the queue is Continuum's (FCFS, retained programs first)."""
     from types import SimpleNamespace

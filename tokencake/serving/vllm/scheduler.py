@@ -82,6 +82,7 @@ class ScoredRequestQueue(RequestQueue):
         #: Whether a session's KV is held on device for it (the connector's keeps and holds).
         self.retained = retained
         self.saved = saved
+        self._credit_failed = False
         self._heap: list[tuple[float, float, str, int, Request]] = []
         self._seq = itertools.count()
 
@@ -89,8 +90,8 @@ class ScoredRequestQueue(RequestQueue):
         arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)
         meta = request_meta(request)
         sid = meta.session_id if meta is not None else None
-        held = sid is not None and self.retained is not None and self.retained(sid)
-        saved = not held and sid is not None and self.saved is not None and self.saved(sid)
+        held = self._credit(self.retained, sid)
+        saved = not held and self._credit(self.saved, sid)
         key = self.scorer.order_key(
             meta,
             arrival=arrival,
@@ -100,6 +101,18 @@ class ScoredRequestQueue(RequestQueue):
             saved=saved,
         )
         return (key, arrival, str(request.request_id), next(self._seq), request)
+
+    def _credit(self, ask: Callable[[str], bool] | None, session_id: str | None) -> bool:
+        """Ask the connector about the session's KV; a failure costs the credit, never the engine."""
+        if ask is None or session_id is None:
+            return False
+        try:
+            return bool(ask(session_id))
+        except Exception:  # runs inside vLLM's add_request
+            if not self._credit_failed:
+                self._credit_failed = True
+                log.exception("TokenCake spatial scheduler: KV lookup failed; ordering without its credit")
+            return False
 
     def add_request(self, request: Request) -> None:
         heapq.heappush(self._heap, self._entry(request))
