@@ -167,6 +167,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             summary.setdefault("losses", {})[key] = [
                 r["index"] for r in rows if r.get("ratios", {}).get(key, 0) > LOSS
             ]
+    summary["loss_counts"] = {key: len(v) for key, v in summary.get("losses", {}).items()}
     for profile in sorted({r["knobs"]["profile"] for r in rows}):
         sub = [r for r in rows if r["knobs"]["profile"] == profile]
         summary.setdefault("by_profile", {})[profile] = {
