@@ -116,7 +116,7 @@ class SpatialWeights:
     #: load instead of a prefill, and its copies stay pinned while it waits, so admitting it first
     #: gives those host slots back to other sessions' saves. Without it, on a host pool smaller than
     #: the working set the order by slack alone let such requests wait while new saves found the
-    #: pool full (simulator, ``docs/simulation.md`` §6.4).
+    #: pool full (simulator, ``docs/simulation.md`` §6.3–§6.4).
     saved_s: float = 10.0
 
     def __post_init__(self) -> None:
