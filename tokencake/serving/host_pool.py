@@ -178,6 +178,13 @@ class HostPool:
                 self._touch(slots)
         return slots
 
+    def saves_most_of(self, block_hashes: Sequence[bytes]) -> bool:
+        """Whether at least half of a chain is ready on host from its first block (a load can
+        resume it; the spatial score's saved credit). Touches nothing."""
+        if not block_hashes:
+            return False
+        return 2 * len(self.match_prefix(block_hashes, touch=False)) >= len(block_hashes)
+
     # --------------------------------------------------------------- mutation
     def allocate(self, n: int, owner: str, victims: Iterable[int] = ()) -> list[int]:
         """Take ``n`` slots for a copy in progress (state ``filling``, pinned by ``owner``).

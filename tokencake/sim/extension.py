@@ -460,8 +460,7 @@ class KVExtension:
     def saved_kv(self, session_id: str) -> bool:
         """Whether at least half of the session's last chain is on host from its head (the spatial
         score's saved credit, as ``SchedulerSide.saved_kv``)."""
-        chain = self._chains.get(session_id)
-        return bool(chain) and 2 * len(self.host.match_prefix(chain, touch=False)) >= len(chain)
+        return self.host.saves_most_of(self._chains.get(session_id, ()))
 
     def _hold(self, session_id: str, blocks: list[int], until: float, *, rank: float, kind: str) -> None:
         held = self._holds.get(session_id)

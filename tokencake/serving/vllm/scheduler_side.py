@@ -469,9 +469,7 @@ class SchedulerSide:
         request resumes with a load, and its copies stay pinned while it waits (the spatial
         score's ``saved_s``)."""
         stall = self._active_stall(session_id) or self._last_stall.get(session_id)
-        if stall is None or not stall.hashes:
-            return False
-        return 2 * len(self.host.match_prefix(stall.hashes, touch=False)) >= len(stall.hashes)
+        return stall is not None and self.host.saves_most_of(stall.hashes)
 
     def _stall(self, stall_id: str) -> _Stall | None:
         return self._stalls.get(stall_id) or self._ended.get(stall_id)
