@@ -38,6 +38,10 @@ def test_render_formats_and_errors(tmp_path: Path) -> None:
     )
     out = render(text, tmp_path)
     assert [v for *_x, v in claims(out)] == ["0.50 [0.25, 0.75]", "50 % [25 %, 75 %]", "1,234", "abcdef0"]
+    (tmp_path / "p.json").write_text(json.dumps({"t/i": {"ratio": 1.0741, "ci95": [1.057, 1.0949]}}))
+    assert claims(render("<!--bench p.json t/i pci2-->x<!--/bench-->", tmp_path))[0][3] == "1.07 [1.06, 1.09]"
+    with pytest.raises(ClaimError, match="paired"):  # a rounds entry has a mean, not a ratio
+        render("<!--bench r.json a|x/y pci2-->x<!--/bench-->", tmp_path)
     with pytest.raises(ClaimError, match="does not resolve"):
         render("<!--bench r.json a|missing .2f-->1<!--/bench-->", tmp_path)
     with pytest.raises(ClaimError, match="not found"):

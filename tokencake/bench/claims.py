@@ -7,7 +7,8 @@ A quoted number is written between two markers that say where it comes from::
 ``FILE`` is relative to ``docs/bench/``; ``PATH`` walks the JSON with ``|`` (keys may contain ``/``);
 ``FORMAT`` is a Python format spec (``.3f``, ``.0%``, ``,.0f``) or ``ci<d>``: a
 :func:`~tokencake.bench.intervals.mean_ci` entry as ``mean [low, high]`` with d decimals, or
-``ci%``: the same in whole percent. Markers are invisible in rendered Markdown.
+``ci%``: the same in whole percent, or ``pci<d>``: a paired ratio entry (``ratio`` and its bootstrap
+``ci95``) as ``ratio [low, high]``. Markers are invisible in rendered Markdown.
 
 ``python -m tokencake.bench.claims --write README.md docs/*.md`` rewrites every quoted number from
 its source; ``--check`` (and ``tests/docs/test_claims.py``) fails when any differs, so a number in the
@@ -54,6 +55,15 @@ def _walk(data: Any, path: str, where: str) -> Any:
 
 
 def _format(value: Any, fmt: str, where: str) -> str:
+    if fmt.startswith("pci"):
+        if not isinstance(value, dict) or value.get("ratio") is None:
+            raise ClaimError(f"{where}: {fmt} needs a ratio/ci95 entry (a paired comparison)")
+        d = int(fmt[3:] or 3)
+        parts = [
+            f"{x:.{d}f}" if x is not None else "—"
+            for x in (value["ratio"], *(value.get("ci95") or (None, None)))
+        ]
+        return f"{parts[0]} [{parts[1]}, {parts[2]}]"
     if fmt.startswith("ci"):
         if not isinstance(value, dict) or value.get("mean") is None:
             raise ClaimError(f"{where}: {fmt} needs a mean/ci95 entry")
