@@ -35,8 +35,10 @@ Outcome = Literal["ok", "error", "timeout", "cancelled"]
 
 
 class _Wire(BaseModel):
-    # Unknown fields are ignored (forward compatible); known ones are validated strictly.
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    # Unknown fields are ignored (forward compatible); known ones are validated strictly. No
+    # infinities or NaN (JSON's 1e999 parses to inf): a NaN slack would make the server's
+    # admission score NaN and break the order of its waiting queue.
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
 
 class StallBegin(_Wire):

@@ -135,22 +135,40 @@ def test_invalidate_failed_copy() -> None:
     pool = HostPool(2)
     slots = pool.allocate(2, "s1")
     pool.commit(h(1), slots[0])
-    pool.invalidate(slots[1])  # the copy of the second block failed
-    pool.invalidate(slots[0])
-    assert pool.num_free == 2
-    assert pool.lookup(h(1)) is None
-    assert pool.owned_by("s1") == []
+    pool.invalidate(slots[1])  # the copy of the second block failed: freed at once
+    assert pool.num_free == 1 and pool.owned_by("s1") == [slots[0]]
+    pool.invalidate(slots[0])  # ready and still owned: unpublished now, reused after release
+    assert pool.lookup(h(1)) is None and pool.num_free == 1
     assert pool.stats()["invalidated"] == 2
     pool.invalidate(slots[0])  # idempotent
     assert pool.stats()["invalidated"] == 2
+    pool.release("s1")
+    assert pool.available == 2 and pool.owned_by("s1") == []
+    assert sorted(pool.allocate(2, "s2")) == sorted(slots)
 
 
 def test_drop_by_hash() -> None:
     pool = HostPool(2)
     fill(pool, "s", [h(1)])
+    pool.release("s")
     assert pool.drop(h(1)) is True
     assert pool.drop(h(1)) is False
     assert pool.num_free == 2
+
+
+def test_a_dropped_slot_another_copy_still_reads_is_not_handed_out() -> None:
+    # A prefetch (job:2) pins a ready slot; the session's demand load of the same block fails and
+    # drops it. A new offload must not get that slot while the prefetch may still be reading it.
+    pool = HostPool(1)
+    (slot,) = fill(pool, "job:1", [h(1)])
+    pool.release("job:1")
+    pool.pin(slot, "job:2")
+    assert pool.drop(h(1)) is True
+    assert pool.lookup(h(1)) is None
+    with pytest.raises(HostPoolExhausted):
+        pool.allocate(1, "job:3")
+    pool.release("job:2")
+    assert pool.allocate(1, "job:3") == [slot]
 
 
 def test_match_prefix_stops_at_first_miss() -> None:

@@ -140,18 +140,24 @@ class HostPoolMachine(RuleBasedStateMachine):
         for s in held:  # ascending: the order a small int set iterates in
             self._remove_owner(s, owner)
 
+    def _invalidate(self, slot: int) -> None:
+        """Freed, unless ready and owned: a copy may be reading it, so it only loses its hash."""
+        if self.state[slot] == "ready" and self.owners[slot]:
+            self._drop_hash(slot)
+        elif self.state[slot] != "free":
+            self._release(slot)
+
     @rule(slot=st.integers(0, CAPACITY - 1))
     def invalidate(self, slot: int) -> None:
         self.pool.invalidate(slot)
-        if self.state[slot] != "free":
-            self._release(slot)
+        self._invalidate(slot)
 
     @rule(h=st.sampled_from(HASHES))
     def drop(self, h: bytes) -> None:
         slot = self.index.get(h)
         assert self.pool.drop(h) == (slot is not None)
         if slot is not None:
-            self._release(slot)
+            self._invalidate(slot)
 
     @rule()
     def reset(self) -> None:

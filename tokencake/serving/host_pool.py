@@ -262,16 +262,25 @@ class HostPool:
             return slot
 
     def invalidate(self, slot: int) -> None:
-        """Return a slot to the free list whatever its state (failed copy, corrupt block)."""
+        """Stop serving a slot (failed copy, corrupt block): back to the free list, except a ready
+        slot somebody still owns — another copy may be reading it, and a new offload written into
+        it meanwhile would reach that copy's device block. That one only loses its hash (no lookup
+        finds it again) and is reused once its last owner lets go, as after :meth:`reset`."""
         with self._lock:
             self._check(slot)
             if self._state[slot] == "free":
                 return
-            self._release_slot(slot)
+            if self._state[slot] == "ready" and slot in self._owners:
+                if self._hash[slot] is None:
+                    return  # already invalidated, waiting for its owners
+                self._drop_hash(slot)
+            else:
+                self._release_slot(slot)
             self._counts["invalidated"] += 1
 
     def drop(self, block_hash: bytes) -> bool:
-        """Invalidate the ready slot of ``block_hash`` if any (e.g. a load of it failed)."""
+        """Invalidate the ready slot of ``block_hash`` if any (e.g. a load of it failed): no lookup
+        finds it again; it is reused at once, or when its owners release it (:meth:`invalidate`)."""
         with self._lock:
             slot = self._index.get(block_hash)
             if slot is None:

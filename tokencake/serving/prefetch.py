@@ -397,6 +397,11 @@ class PrefetchPlanner:
             plan = self._stalls.get(stall_id) or self._finished.get(stall_id)
             return dataclasses.replace(plan) if plan is not None else None
 
+    def is_open(self, stall_id: str) -> bool:
+        """Whether the stall is still planned (not yet classified, expired or cancelled); cheap."""
+        with self._lock:
+            return stall_id in self._stalls
+
     def open_stalls(self, session_id: str | None = None) -> list[PlannedStall]:
         with self._lock:
             return [

@@ -18,7 +18,7 @@ A score is in seconds of slack; lower is admitted first::
     score = base − app_age × (now − app start) − aging × waited
             − per_preemption_s × min(preemptions, max_preemptions)
             − retained_s if the session's KV is held on device for it (a keep or a prefetched chain),
-              else saved_s if its last chain is saved on host (copies pinned for this request)
+              else saved_s if its last chain is saved on host (it resumes with a load)
 
 The app start is when the scorer first saw the app, but never more than ``max_app_age_s`` before the
 request arrived (an app is "old" by at most that much); a plain request is a one-request app that
@@ -113,10 +113,11 @@ class SpatialWeights:
     #: first uses those blocks before they have to yield, and it needs the fewest new ones.
     retained_s: float = 10.0
     #: Else its last chain is saved on host (at least half of it, from the head): it resumes with a
-    #: load instead of a prefill, and its copies stay pinned while it waits, so admitting it first
-    #: gives those host slots back to other sessions' saves. Without it, on a host pool smaller than
-    #: the working set the order by slack alone let such requests wait while new saves found the
-    #: pool full (simulator, ``docs/simulation.md`` §6.3–§6.4).
+    #: load instead of a prefill, and — where its stall's plan pins them (an offloaded stall) — its
+    #: copies stay pinned while it waits, so admitting it first gives those host slots back to other
+    #: sessions' saves. The credit is fixed when the request is queued. Without it, on a host pool
+    #: smaller than the working set the order by slack alone let such requests wait while new saves
+    #: found the pool full (simulator, ``docs/simulation.md`` §6.3–§6.4).
     saved_s: float = 10.0
 
     def __post_init__(self) -> None:

@@ -483,6 +483,29 @@ def test_request_waits_for_its_prefetch_instead_of_loading_twice(pool: BlockPool
     assert_no_pins(pool)
 
 
+def test_an_offloaded_stall_whose_prefetch_failed_lets_its_host_pins_go(
+    pool: BlockPool, clock: Clock
+) -> None:
+    # The failed prefetch cancels the plan, so the planner never expires the stall; if its session
+    # sends no further request, its host copies must still be unpinned after the end (not held
+    # until a request that never comes).
+    side = make_side(pool, clock)
+    hashes = _offloaded_and_evicted(side, pool, clock)
+    assert len(side.host.owned_by("s1")) == len(hashes)
+    clock.t += 2.0
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch"
+    answer(side, TokenCakeMetadata([job]), ok=False)
+    side.handle_event(end(duration=2.0))
+    side.build_meta()
+    assert side.host.owned_by("s1")  # ended just now: the session may still come back
+    clock.t += side.planner.unused_after_s + side.opts.end_grace_s + 1.0
+    side.build_meta()
+    assert side.host.owned_by("s1") == []
+    assert [side.host.lookup(h) is not None for h in hashes] == [True, True]  # cached, reclaimable
+    assert side.host.available == side.host.num_blocks
+
+
 def test_unknown_session_and_too_small_host_pool(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, host_blocks=2)
     ack = side.handle_event(begin(session="nobody:A"))
@@ -886,8 +909,10 @@ def test_reset_cache_drops_host_copies_and_copies_in_flight(pool: BlockPool, clo
     finish_turn(side, pool, fresh, req_id="r2")
     side.handle_event(begin("s2"))
     in_flight = side.build_meta()  # an offload planned before the reset …
+    assert side.device_copies_in_flight() == 1  # (its device blocks stay pinned until reported)
     assert side.reset_cache() is True
     answer(side, in_flight)  # … confirmed after it: committed nothing
+    assert side.device_copies_in_flight() == 0
     assert side.host.lookup(old[0]) is None and side.host.lookup(fresh[0]) is None
     req = request("r3", [*old, *chain("n", 1)], 3 * BS + 1)
     side.on_new_request(req)

@@ -77,6 +77,40 @@ def test_a_prefix_cache_reset_gives_the_policys_device_holds_back_first() -> Non
     assert calls == ["holds released", "pool reset (preempt=True)"]
     for cls in (spatial._SyncSpatialScheduler, spatial._AsyncSpatialScheduler):
         assert issubclass(cls, spatial._ReleasesHoldsOnReset)
+    # A KV copy in flight pins device blocks until the workers report it: vLLM would preempt every
+    # running request and then raise. The reset is refused instead, with the requests left alone.
+    calls.clear()
+    busy = Sched(["r1"])
+    busy.connector.device_copies_in_flight = lambda: 2
+    assert busy.reset_prefix_cache(reset_running_requests=True) is False
+    assert calls == [] and busy.running == ["r1"]
+    busy.connector.device_copies_in_flight = lambda: 0
+    assert busy.reset_prefix_cache(reset_running_requests=True)
+    assert calls == ["holds released", "pool reset (preempt=True)"]
+
+
+def test_a_non_finite_graph_field_makes_a_plain_request_not_a_nan_score() -> None:
+    """JSON's 1e999 is infinity: an inf slack over an inf importance would score NaN, and a NaN
+    key breaks the heap order for every request queued after it. The wire refuses non-finite
+    numbers, so such a request is plain (first come, first served) and the order holds."""
+    import math
+    import random
+
+    from tokencake.serving.vllm.scheduler_side import request_meta
+
+    queue = ScoredRequestQueue(clock=lambda: 100.0)
+    bad = req("bad", 5.0, slack=float("inf"))
+    bad.kv_transfer_params[META_KEY]["importance"] = float("inf")
+    assert request_meta(bad) is None
+    rng = random.Random(7)
+    reqs = [bad] + [
+        req(f"r{i}", 1.0 + i, slack=rng.uniform(0.0, 90.0), critical=rng.random() < 0.3) for i in range(40)
+    ]
+    keys = {r.request_id: queue._entry(r)[:3] for r in reqs}
+    assert all(math.isfinite(k[0]) for k in keys.values())
+    for r in reqs:
+        queue.add_request(r)
+    assert drain(queue) == sorted(keys, key=keys.__getitem__)
 
 
 def test_it_keeps_vllms_async_scheduler_when_async_scheduling_is_on() -> None:

@@ -484,6 +484,16 @@ class TokenCakeConnector(KVConnectorBase_V1):
             self._count_error("release_device_holds")
             return 0
 
+    def device_copies_in_flight(self) -> int:
+        """Copies in flight that pin device blocks (a prefix-cache reset must wait for them)."""
+        if self.sched is None:
+            return 0
+        try:
+            return self.sched.device_copies_in_flight()
+        except Exception:
+            self._count_error("device_copies_in_flight")
+            return 0
+
     def reset_cache(self) -> bool | None:
         """vLLM reset its prefix cache (e.g. new weights): host copies are stale, drop them all."""
         if self.sched is None:

@@ -180,12 +180,22 @@ class _ReleasesHoldsOnReset:
     """vLLM resets its block pool before it tells the connector, and the pool reset refuses while
     any block is in use — so ``pause(clear_cache=True)``, ``sleep`` and weight-update resets
     would raise while the KV policy holds a chain on device. Give the holds back first, when
-    the reset can succeed (running requests are preempted by it, or there are none)."""
+    the reset can succeed (running requests are preempted by it, or there are none).
+
+    A copy in flight pins its device blocks until the workers report it; with those pinned,
+    vLLM would preempt every running request and then raise (the pool reset cannot succeed).
+    Refuse instead — return False, as vLLM does for a reset that cannot happen yet — and leave
+    the running requests alone; the caller retries after the copies land (a step or two)."""
 
     running: list[Request]
     connector: Any
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        in_flight = getattr(self.connector, "device_copies_in_flight", None)
+        busy = in_flight() if callable(in_flight) else 0
+        if busy:
+            log.warning("TokenCake: prefix cache reset refused: %d KV copies in flight; retry", busy)
+            return False
         if reset_running_requests or not self.running:
             release = getattr(self.connector, "release_device_holds", None)
             if callable(release):

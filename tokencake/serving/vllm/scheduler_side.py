@@ -466,8 +466,8 @@ class SchedulerSide:
 
     def saved_kv(self, session_id: str) -> bool:
         """Whether at least half of the session's latest chain is on host from its head: its next
-        request resumes with a load, and its copies stay pinned while it waits (the spatial
-        score's ``saved_s``)."""
+        request resumes with a load (the spatial score's ``saved_s``). Pinned or not: copies an
+        offloaded stall pins stay pinned while the request waits; others are the LRU's."""
         stall = self._active_stall(session_id) or self._last_stall.get(session_id)
         return stall is not None and self.host.saves_most_of(stall.hashes)
 
@@ -1466,6 +1466,11 @@ class SchedulerSide:
             self._unkeep(sid, "reset")
         return n
 
+    def device_copies_in_flight(self) -> int:
+        """Copy jobs that still pin device blocks (until the workers report them): while any
+        does, vLLM's prefix-cache reset cannot succeed."""
+        return sum(1 for job in self._jobs.values() if job.device_owned and not job.released)
+
     def reset_cache(self) -> bool:
         """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
         self._generation += 1
@@ -1903,11 +1908,19 @@ class SchedulerSide:
         self._release_stall(stall.stall_id)
 
     def _expire_ended(self, now: float) -> None:
-        # Stalls the planner does not know (never offloaded) are forgotten after the grace period.
+        """Ended stalls the planner does not expire are forgotten here: never offloaded, after the
+        grace period; offloaded but no longer planned (its prefetch failed or timed out: the plan
+        was cancelled), as long after the end as the planner keeps a plan for a session that sends
+        no request — without this its host pins would last until the session's next request."""
         for sid, stall in list(self._ended.items()):
-            if stall.offloaded or stall.ended_at is None:
+            if stall.ended_at is None:
                 continue
-            if now - stall.ended_at >= self.opts.end_grace_s:
+            grace = self.opts.end_grace_s
+            if stall.offloaded:
+                if self.planner.is_open(sid):
+                    continue  # the planner expires it (``planner.expired``)
+                grace = max(grace, self.planner.unused_after_s)
+            if now - stall.ended_at >= grace:
                 self._release_stall(sid)
 
     # ---- prefetch
