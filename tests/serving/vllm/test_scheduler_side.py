@@ -500,6 +500,11 @@ def test_an_offloaded_stall_whose_prefetch_failed_lets_its_host_pins_go(
     side.build_meta()
     assert side.host.owned_by("s1")  # ended just now: the session may still come back
     clock.t += side.planner.unused_after_s + side.opts.end_grace_s + 1.0
+    waiting = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
+    side.on_new_request(waiting)
+    side.build_meta()
+    assert side.host.owned_by("s1")  # its request is queued: the copies stay pinned for its load
+    side.request_finished(waiting)  # … it was aborted instead
     side.build_meta()
     assert side.host.owned_by("s1") == []
     assert [side.host.lookup(h) is not None for h in hashes] == [True, True]  # cached, reclaimable

@@ -1912,6 +1912,7 @@ class SchedulerSide:
         grace period; offloaded but no longer planned (its prefetch failed or timed out: the plan
         was cancelled), as long after the end as the planner keeps a plan for a session that sends
         no request — without this its host pins would last until the session's next request."""
+        waiting: set[str] | None = None  # sessions with a request queued (built when needed)
         for sid, stall in list(self._ended.items()):
             if stall.ended_at is None:
                 continue
@@ -1920,8 +1921,14 @@ class SchedulerSide:
                 if self.planner.is_open(sid):
                     continue  # the planner expires it (``planner.expired``)
                 grace = max(grace, self.planner.unused_after_s)
-            if now - stall.ended_at >= grace:
-                self._release_stall(sid)
+            if now - stall.ended_at < grace:
+                continue
+            if stall.offloaded:
+                if waiting is None:
+                    waiting = {i.session_id for r in self._waiting if (i := self._reqs.get(r)) is not None}
+                if stall.session_id in waiting:
+                    continue  # its request is queued: the copies stay pinned for its load
+            self._release_stall(sid)
 
     # ---- prefetch
     def _chain_on_device(self, stall: _Stall) -> bool:
