@@ -69,42 +69,26 @@ def draw(rng: random.Random) -> dict[str, Any]:
 
 def command(knobs: dict[str, Any], *, systems: str, repeat: int, out: Path) -> list[str]:
     """The ``tokencake bench`` command line that replays the drawn workload."""
-    return [
-        sys.executable,
-        "-m",
-        "tokencake",
-        "bench",
-        "--preset",
-        "stress",
-        "--points",
-        knobs["point"],
-        "--apps",
-        str(knobs["apps"]),
-        "--workers",
-        str(knobs["workers"]),
-        "--turns",
-        str(knobs["turns"]),
-        "--context-tokens",
-        str(knobs["context_tokens"]),
-        "--tool-s",
-        str(knobs["tool_s"]),
-        "--max-tokens",
-        str(knobs["max_tokens"]),
-        "--arrival",
-        knobs["arrival"],
-        "--rates",
-        str(knobs["rate"]),
-        "--device-blocks",
-        str(knobs["device_blocks"]),
-        "--seed",
-        str(knobs["seed"]),
-        "--systems",
-        systems,
-        "--repeat",
-        str(repeat),
-        "--out",
-        str(out),
-    ]
+    flags = {
+        "--points": knobs["point"],
+        "--apps": knobs["apps"],
+        "--workers": knobs["workers"],
+        "--turns": knobs["turns"],
+        "--context-tokens": knobs["context_tokens"],
+        "--tool-s": knobs["tool_s"],
+        "--max-tokens": knobs["max_tokens"],
+        "--arrival": knobs["arrival"],
+        "--rates": knobs["rate"],
+        "--device-blocks": knobs["device_blocks"],
+        "--seed": knobs["seed"],
+        "--systems": systems,
+        "--repeat": repeat,
+        "--out": out,
+    }
+    cmd = [sys.executable, "-m", "tokencake", "bench", "--preset", "stress"]
+    for flag, value in flags.items():
+        cmd += [flag, str(value)]
+    return cmd
 
 
 def main() -> int:

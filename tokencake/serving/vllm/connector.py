@@ -348,6 +348,16 @@ class TokenCakeConnector(KVConnectorBase_V1):
         if self.sched is not None:
             self.sched.stats.inc(f"errors.{hook}")
 
+    def _ask(self, hook: str, call: Callable[[SchedulerSide], Any], failed: Any) -> Any:
+        """``call`` on the scheduler side; an exception is logged and counted (``errors.<hook>``)
+        and answers ``failed``: it never reaches vLLM's scheduler loop."""
+        assert self.sched is not None
+        try:
+            return call(self.sched)
+        except Exception:
+            self._count_error(hook)
+            return failed
+
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker is not None:
@@ -478,41 +488,25 @@ class TokenCakeConnector(KVConnectorBase_V1):
         while blocks are in use): the chains the policy holds on device are given back."""
         if self.sched is None:
             return 0
-        try:
-            return self.sched.release_device_holds()
-        except Exception:
-            self._count_error("release_device_holds")
-            return 0
+        return self._ask("release_device_holds", lambda s: s.release_device_holds(), 0)
 
     def device_copies_in_flight(self) -> int:
         """Copies in flight that pin device blocks (a prefix-cache reset must wait for them)."""
         if self.sched is None:
             return 0
-        try:
-            return self.sched.device_copies_in_flight()
-        except Exception:
-            self._count_error("device_copies_in_flight")
-            return 0
+        return self._ask("device_copies_in_flight", lambda s: s.device_copies_in_flight(), 0)
 
     def reset_cache(self) -> bool | None:
         """vLLM reset its prefix cache (e.g. new weights): host copies are stale, drop them all."""
         if self.sched is None:
             return None
-        try:
-            return self.sched.reset_cache()
-        except Exception:
-            self._count_error("reset_cache")
-            return False
+        return self._ask("reset_cache", lambda s: s.reset_cache(), False)
 
     @_timed
     def has_pending_push_work(self) -> bool:
         if self.sched is None:
             return False
-        try:
-            return self.sched.has_pending_work()
-        except Exception:
-            self._count_error("has_pending_push_work")
-            return False
+        return self._ask("has_pending_push_work", lambda s: s.has_pending_work(), False)
 
     def take_events(self) -> Iterable[Any]:
         return ()
