@@ -280,6 +280,40 @@ def test_demand_load_counts_host_hits_past_device_prefix(pool: BlockPool, clock:
     }
 
 
+def test_blocks_a_failed_load_left_are_not_offloaded_until_recomputed(pool: BlockPool, clock: Clock) -> None:
+    """vLLM's recompute policy keeps the hashes of blocks whose load failed — and of the blocks the
+    same step computed from them — until their request recomputes them. A stall of another
+    session sharing that prefix must not copy them to the host in between (the copy would be
+    committed and served to every request with the prefix)."""
+    side = make_side(pool, clock, prefetch=False)
+    shared, own = chain("p", 3), chain("b", 1)
+    put_on_host(side, shared)
+    req = request("rb", [*shared, *own], 4 * BS + 2, session="run:B")
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 3 * BS
+    blocks = cache_blocks(pool, [*shared, *own])  # allocate_slots hashes all four this step
+    side.update_state_after_alloc(req, [b.block_id for b in blocks], 3 * BS)
+    (load,) = side.build_meta().jobs
+    answer(side, TokenCakeMetadata([load]), ok=False)  # the load failed: vLLM will recompute
+    assert all(side.host.lookup(h) is None for h in shared)
+    # Session A ends a turn on the same prefix and begins a tool call before B recomputed.
+    finish_turn(side, pool, shared, req_id="ra", session="run:A")
+    side.handle_event(begin(session="run:A"))
+    jobs = side.build_meta().jobs
+    bad = {b.block_id for b in blocks}
+    assert not any(j.kind == "offload" and bad & set(j.device_blocks) for j in jobs)
+    assert all(side.host.lookup(h) is None for h in [*shared, *own])
+    # B recomputed its prompt and finished: the blocks hold the forward's KV and may be saved.
+    req.num_computed_tokens = 4 * BS + 2
+    side.request_finished(req)
+    assert side._suspect == {}
+    bp.release(pool, blocks)
+    finish_turn(side, pool, shared, req_id="ra2", session="run:A")
+    side.handle_event(begin("s2", session="run:A"))
+    (offload,) = side.build_meta().jobs
+    assert offload.kind == "offload" and set(offload.device_blocks) <= bad
+
+
 def test_provenance_traces_failed_copies(pool: BlockPool, clock: Clock) -> None:
     """A failed offload is reported with the session's next request, a failed load with its own."""
     side = make_side(pool, clock, prefetch=False)

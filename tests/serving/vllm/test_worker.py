@@ -254,6 +254,27 @@ def test_load_that_cannot_be_stream_ordered_is_waited_for(monkeypatch: pytest.Mo
     assert w.take_load_errors() == {4}
 
 
+def test_a_load_whose_wait_also_fails_is_reported_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither stream order nor a blocking wait worked: the job stays in flight and is reported
+    once, when its copy has run — a second report would count as another rank's."""
+    w, _ = _quiet_worker()
+    h = FakeHandle()
+
+    def broken() -> None:
+        raise RuntimeError("stream gone")
+
+    h.order_before_compute = broken  # type: ignore[method-assign]
+    h.wait = broken  # type: ignore[method-assign]
+    monkeypatch.setattr(w.copier, "copy", lambda *a, **k: h)
+    w.start_jobs(TokenCakeMetadata([CopyJob(1, "load", [4], [0], req_id="r")]))
+    assert w.take_load_errors() == {4}
+    assert w.take_results() is None  # the copy may still be writing block 4
+    h.finished = True
+    res = w.take_results()
+    assert res is not None and not res.results[1].ok and "stream gone" in (res.results[1].error or "")
+    assert w.take_results() is None
+
+
 def test_each_kind_copies_on_its_own_lane(monkeypatch: pytest.MonkeyPatch) -> None:
     w, _ = _quiet_worker()
     lanes: list[str] = []
@@ -347,6 +368,35 @@ def _clear_host(w: WorkerSide) -> None:
     assert w.copier is not None
     for t in w.copier.host_tensors:
         t.zero_()
+
+
+@pytest.mark.parametrize("kind", ["prefetch", "load"])
+def test_a_held_back_copy_whose_submit_fails_half_way_waits_for_the_queued_part(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection holds a copy back; when it is submitted, part of it is queued before the
+    submit fails. The job must not be reported (its device blocks freed) until that part ran."""
+    from tokencake.serving.vllm._copy import CopySubmitError
+
+    w, _, clock = _stalling_worker(1.0)
+    partial = FakeHandle()
+    calls = {"n": 0}
+
+    def fail_half_way(*a: object, **k: object) -> None:
+        calls["n"] += 1
+        raise CopySubmitError("RuntimeError: CUDA out of memory", partial)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(w.copier, "copy", fail_half_way)
+    w.start_jobs(TokenCakeMetadata([CopyJob(1, kind, [4, 5], [0, 1], req_id="r", timeout_s=10.0)]))
+    if kind == "prefetch":
+        clock.t += 2.0
+        assert w.take_results() is None  # submitted now, half queued: not reported yet
+        partial.finished = True
+    else:  # a load feeds this step's forward: held back, then waited for (the queued part ran)
+        assert partial.waited == 1 and w.take_load_errors() == {4, 5}
+    res = w.take_results()
+    assert res is not None and not res.results[1].ok and "out of memory" in (res.results[1].error or "")
+    assert calls["n"] == 1 and w.take_results() is None  # submitted once, reported once
 
 
 def test_stalled_copy_writes_nothing_until_it_is_due() -> None:

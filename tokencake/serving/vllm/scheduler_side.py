@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.tokencake")
 
+#: Suspect blocks (bad KV a failed load left under a valid hash) tracked before the entries of
+#: blocks reused since are pruned; bounded by the device blocks anyway.
+MAX_SUSPECT_BLOCKS = 4096
 #: How often an otherwise idle engine steps while copies given up after ``job_timeout_s`` are
 #: still out (their late reports release device blocks and host slots).
 ABANDONED_POLL_S = 1.0
@@ -105,6 +108,10 @@ class _Job:
     #: Timed out: nobody waits for it any more, but its pins stay until every worker reported
     #: (a copy may still be writing into those device blocks / host slots).
     abandoned: bool = False
+    #: A demand load's request blocks from its first loaded one on, as allocated with it: if the
+    #: load fails, these hold bad KV (loaded, or computed this step from loaded KV) until the
+    #: request recomputes them — vLLM keeps their hashes meanwhile (recompute policy).
+    downstream: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def owner(self) -> str:
@@ -347,6 +354,10 @@ class SchedulerSide:
         #: device block id -> the hash whose KV a host copy (prefetch or load) wrote into it. A hit
         #: on such a block serves copied KV, whichever session's copy put it there (provenance).
         self._copied: dict[int, bytes] = {}
+        #: Device block id -> (its prefix-cache key, request id, position) of blocks a failed load
+        #: left with bad KV under a valid hash, until their request recomputes them or the block
+        #: is reused: never copied to the host (``_chain`` treats them as absent).
+        self._suspect: dict[int, tuple[Any, str, int]] = {}
         #: Requests not yet admitted -> blocks their prompt needs (the queue's KV demand).
         self._waiting: dict[str, int] = {}
         #: Resumed turns (a session's request after its tool call) waiting for their first token:
@@ -507,6 +518,8 @@ class SchedulerSide:
         """
         req_id = request.request_id
         provenance = self._provenance.pop(req_id, None)
+        if self._suspect:
+            self._clear_recomputed(request)
         self._finish(request)
         return provenance
 
@@ -593,11 +606,30 @@ class SchedulerSide:
         chain: list[tuple[int, bytes, Any, int | None]] = []
         for i, h in enumerate(hashes):
             dev = bp.cached_block(self.pool, h)
+            if dev is not None and self._suspect and self._is_suspect(dev):
+                dev = None  # bad KV from a failed load, not recomputed yet: not a usable copy
             slot = self.host.lookup(h)
             if dev is None and slot is None:
                 break
             chain.append((i, h, dev, slot))
         return chain
+
+    def _is_suspect(self, block: Any) -> bool:
+        """Whether ``block`` still holds the bad KV a failed load left (see ``_suspect``)."""
+        entry = self._suspect.get(block.block_id)
+        if entry is None:
+            return False
+        if block.block_hash != entry[0]:  # evicted and reused since: fresh KV
+            del self._suspect[block.block_id]
+            return False
+        return True
+
+    def _clear_recomputed(self, request: Request) -> None:
+        """The request's blocks it has computed again are no longer suspect."""
+        req_id, done = request.request_id, int(getattr(request, "num_computed_tokens", 0) or 0)
+        for bid, (_key, rid, pos) in list(self._suspect.items()):
+            if rid == req_id and done >= (pos + 1) * self.block_size:
+                del self._suspect[bid]
 
     def _gate_input(
         self, chain: list, predicted_s: float, elapsed_s: float, known: bool, now: float, session_id: str = ""
@@ -1251,6 +1283,7 @@ class SchedulerSide:
         job = self._new_job(
             "load", hashes[:n], list(range(first, first + n)), blocks, slots[:n], req_id=req_id
         )
+        job.downstream = [(first + k, self.pool.blocks[b]) for k, b in enumerate(block_ids[first:])]
         self.host.pin_many(job.slots, job.owner)
         self._outbox.append(job.to_wire())
         self.stats.inc("demand_load.requests")
@@ -1475,6 +1508,7 @@ class SchedulerSide:
         """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
         self._generation += 1
         self._copied.clear()
+        self._suspect.clear()  # no hash survives the reset
         self.release_device_holds()
         for sid in list(self._finish_pins):
             self._release_finish_pins(sid)
@@ -2202,6 +2236,14 @@ class SchedulerSide:
             # The host copy may be bad: drop it so nobody loads it again (vLLM recomputes).
             for h in job.hashes:
                 self.host.drop(h)
+            # vLLM keeps the hashes of the failed blocks, and of those this step computed from
+            # them, until the request recomputes them: no offload may copy them meanwhile.
+            for pos, block in job.downstream:
+                if block.block_hash is not None:
+                    self._suspect[block.block_id] = (block.block_hash, job.req_id or "", pos)
+            if len(self._suspect) > MAX_SUSPECT_BLOCKS and self.pool is not None:
+                for bid in list(self._suspect):  # drop the entries of blocks reused since
+                    self._is_suspect(self.pool.blocks[bid])
 
     def _release(self, job: _Job) -> None:
         """Drop every pin the job holds (device refs and host slot pins), exactly once."""

@@ -188,10 +188,15 @@ class _StalledCopy:
         self._submit, self._due, self.nbytes = submit, due, nbytes
         self._clock, self._sleep = clock, sleep
         self._handle: _Handle | None = None
+        #: The submit failed after part of the copy was queued: the job fails once that part ran.
+        self.error: str | None = None
 
     def _start(self) -> _Handle:
         if self._handle is None:
-            self._handle = self._submit()
+            try:
+                self._handle = self._submit()
+            except CopySubmitError as exc:  # wait for the queued part, as an unstalled copy does
+                self._handle, self.error = exc.handle, _describe(exc)
         return self._handle
 
     def done(self) -> bool:
@@ -445,13 +450,21 @@ class WorkerSide:
             self._order_load(rec)
 
     def _order_load(self, rec: _InFlight) -> None:
-        """A demand load feeds this step's forward: make the forward wait for it."""
+        """A demand load feeds this step's forward: make the forward wait for it. The job stays in
+        flight either way and is reported once, by :meth:`_poll`, when its copy has run."""
         try:
             rec.handle.order_before_compute()
         except Exception as exc:
             rec.error = rec.error or _describe(exc)
+            try:
+                rec.handle.wait()  # no stream order: block until the copy is done
+            except Exception as again:
+                rec.error = rec.error or _describe(again)
+        late = getattr(rec.handle, "error", None)  # a held-back copy whose submit failed half way
+        if late is not None:
+            rec.error = rec.error or late
+        if rec.error is not None:
             self._load_errors.update(_block_ids(rec.job.device_blocks))
-            rec.handle.wait()  # no stream order: block until the copy is done (raises → poll fails it)
 
     def _draw_fault(self, job: CopyJob) -> str | None:
         f = self.faults
@@ -511,9 +524,10 @@ class WorkerSide:
             late = now - rec.received > _timeout(rec.job)
             if late:
                 self._count("jobs.late")
-            if rec.error is not None:
+            error = rec.error or getattr(rec.handle, "error", None)
+            if error is not None:
                 self._count("jobs.failed")
-                self._finished[job_id] = JobResult(False, seconds, 0, rec.error, late=late)
+                self._finished[job_id] = JobResult(False, seconds, 0, error, late=late)
             else:
                 self._finished[job_id] = JobResult(True, seconds, nbytes, late=late)
 
