@@ -29,10 +29,11 @@ Every accepted job is reported exactly once, and only when its copy can no longe
 device blocks or host slots: complete, failed before anything was submitted, or (a CUDA copy
 that failed half-way) once its queued part has run. That is the worker half of the job timeout
 handshake: a scheduler that sets ``TokenCakeMetadata.release_after_report`` keeps a timed-out
-job's blocks until this report arrives. For a scheduler that releases them at the timeout
-instead, :meth:`WorkerSide.before_forward` fences every copy older than half its
-``timeout_s``: the next forward (and, through it, every later copy) waits for it, so no block
-the scheduler gave up on can still be written after it is reused.
+job's blocks until this report arrives (TokenCake's own scheduler always does). For a scheduler
+that releases them at the timeout instead, :meth:`WorkerSide.before_forward` fences every copy
+older than half its ``timeout_s``: the next forward (and, through it, every later copy) waits
+for it. That fence is best effort: it is checked only on steps that bind copy jobs, so it covers
+such a scheduler only while copies keep being planned.
 
 Fault injection for tests: ``TOKENCAKE_FAULTS="copy_fail=0.2,copy_stall_s=0.5,seed=1"`` makes
 copies fail (nothing written, job failed → recompute) or stall (held back, then written late →
@@ -318,7 +319,8 @@ class WorkerSide:
 
     # ---------------------------------------------------------------- per step
     def before_forward(self, meta: TokenCakeMetadata | None = None) -> None:
-        """Every step, before the forward: fence stale copies and collect finished ones.
+        """On a step that binds copy jobs, before they start: fence stale copies and collect
+        finished ones (finished ones are also collected every step by ``take_results``).
 
         The fence is for a scheduler that releases a timed-out job's blocks (no
         ``release_after_report``): a copy still running at half its timeout is ordered before
