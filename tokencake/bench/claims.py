@@ -54,26 +54,26 @@ def _walk(data: Any, path: str, where: str) -> Any:
     return node
 
 
+def _interval(center: float, ci: Any, fmt: str) -> str:
+    """``center [low, high]`` with ``fmt``'s decimals (``ci<d>``, ``pci<d>``) or in percent (``ci%``)."""
+    lo, hi = ci or (None, None)
+    if fmt.endswith("%"):
+        parts = [f"{x * 100:.0f} %" if x is not None else "—" for x in (center, lo, hi)]
+    else:
+        d = int(fmt.lstrip("pci") or 3)
+        parts = [f"{x:.{d}f}" if x is not None else "—" for x in (center, lo, hi)]
+    return f"{parts[0]} [{parts[1]}, {parts[2]}]"
+
+
 def _format(value: Any, fmt: str, where: str) -> str:
     if fmt.startswith("pci"):
         if not isinstance(value, dict) or value.get("ratio") is None:
             raise ClaimError(f"{where}: {fmt} needs a ratio/ci95 entry (a paired comparison)")
-        d = int(fmt[3:] or 3)
-        parts = [
-            f"{x:.{d}f}" if x is not None else "—"
-            for x in (value["ratio"], *(value.get("ci95") or (None, None)))
-        ]
-        return f"{parts[0]} [{parts[1]}, {parts[2]}]"
+        return _interval(value["ratio"], value.get("ci95"), fmt)
     if fmt.startswith("ci"):
         if not isinstance(value, dict) or value.get("mean") is None:
             raise ClaimError(f"{where}: {fmt} needs a mean/ci95 entry")
-        lo, hi = value.get("ci95") or (None, None)
-        if fmt == "ci%":
-            parts = [f"{x * 100:.0f} %" if x is not None else "—" for x in (value["mean"], lo, hi)]
-        else:
-            d = int(fmt[2:] or 3)
-            parts = [f"{x:.{d}f}" if x is not None else "—" for x in (value["mean"], lo, hi)]
-        return f"{parts[0]} [{parts[1]}, {parts[2]}]"
+        return _interval(value["mean"], value.get("ci95"), fmt)
     if value is None:
         return "—"
     if isinstance(value, bool) or not isinstance(value, int | float | str):

@@ -111,7 +111,7 @@ class _Job:
     #: A demand load's request blocks from its first loaded one on, as allocated with it: if the
     #: load fails, these hold bad KV (loaded, or computed this step from loaded KV) until the
     #: request recomputes them — vLLM keeps their hashes meanwhile (recompute policy).
-    downstream: list[tuple[int, Any]] = field(default_factory=list)
+    downstream: tuple[int, tuple[int, ...]] = (0, ())  # (first position, block ids from it on)
 
     @property
     def owner(self) -> str:
@@ -685,7 +685,7 @@ class SchedulerSide:
         """
         if not self.policy.preempts_host or not self._stalls:
             return []
-        waiting = {info.session_id for rid in self._waiting if (info := self._reqs.get(rid)) is not None}
+        waiting = self._waiting_sessions()
         planned = {slot for _first, _hashes, slots in self._pending_load.values() for slot in slots}
         later: list[tuple[tuple[int, float], str, tuple[bytes, ...]]] = []
         for stall in self._stalls.values():
@@ -1085,7 +1085,7 @@ class SchedulerSide:
             if (watch is not None and now < watch.until) or self._active_stall(sid) is not None:
                 return True
             if waiting is None:
-                waiting = {i.session_id for rid in self._waiting if (i := self._reqs.get(rid)) is not None}
+                waiting = self._waiting_sessions()
             return sid in waiting
 
         def reserved(h: bytes) -> bool:
@@ -1283,7 +1283,7 @@ class SchedulerSide:
         job = self._new_job(
             "load", hashes[:n], list(range(first, first + n)), blocks, slots[:n], req_id=req_id
         )
-        job.downstream = [(first + k, self.pool.blocks[b]) for k, b in enumerate(block_ids[first:])]
+        job.downstream = (first, tuple(block_ids[first:]))
         self.host.pin_many(job.slots, job.owner)
         self._outbox.append(job.to_wire())
         self.stats.inc("demand_load.requests")
@@ -1498,6 +1498,10 @@ class SchedulerSide:
         for sid in list(self._kept):
             self._unkeep(sid, "reset")
         return n
+
+    def _waiting_sessions(self) -> set[str]:
+        """Sessions with a request queued for admission."""
+        return {info.session_id for rid in self._waiting if (info := self._reqs.get(rid)) is not None}
 
     def device_copies_in_flight(self) -> int:
         """Copy jobs that still pin device blocks (until the workers report them): while any
@@ -1959,7 +1963,7 @@ class SchedulerSide:
                 continue
             if stall.offloaded:
                 if waiting is None:
-                    waiting = {i.session_id for r in self._waiting if (i := self._reqs.get(r)) is not None}
+                    waiting = self._waiting_sessions()
                 if stall.session_id in waiting:
                     continue  # its request is queued: the copies stay pinned for its load
             self._release_stall(sid)
@@ -2238,9 +2242,12 @@ class SchedulerSide:
                 self.host.drop(h)
             # vLLM keeps the hashes of the failed blocks, and of those this step computed from
             # them, until the request recomputes them: no offload may copy them meanwhile.
-            for pos, block in job.downstream:
-                if block.block_hash is not None:
-                    self._suspect[block.block_id] = (block.block_hash, job.req_id or "", pos)
+            first, ids = job.downstream
+            if self.pool is not None:
+                for pos, bid in enumerate(ids, start=first):
+                    key = self.pool.blocks[bid].block_hash
+                    if key is not None:
+                        self._suspect[bid] = (key, job.req_id or "", pos)
             if len(self._suspect) > MAX_SUSPECT_BLOCKS and self.pool is not None:
                 for bid in list(self._suspect):  # drop the entries of blocks reused since
                     self._is_suspect(self.pool.blocks[bid])
