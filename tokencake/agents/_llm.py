@@ -22,6 +22,7 @@ import openai
 from tokencake.events import EVENTS_PORT_OFFSET, SESSION_HEADER, RequestMeta
 
 from ._errors import LLMConnectionError
+from ._http import pool_limits
 from ._loop import LoopLocal
 from ._metadata import merge_metadata, metadata_fields
 from ._retry import Retry, as_retry
@@ -144,7 +145,7 @@ class LLM:
 
     def _make_http_client(self) -> httpx.AsyncClient:
         """The httpx client under the openai client (ScriptedLLM swaps in a MockTransport)."""
-        return httpx.AsyncClient(timeout=self.timeout)
+        return httpx.AsyncClient(timeout=self.timeout, limits=pool_limits())
 
     def _make_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(

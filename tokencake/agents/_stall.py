@@ -21,6 +21,7 @@ import httpx
 
 from tokencake.events import EVENTS_PATH, EventAck, Outcome, StallBegin, StallEnd
 
+from ._http import pool_limits
 from ._loop import LoopLocal
 
 log = logging.getLogger("tokencake.stall")
@@ -92,7 +93,9 @@ class HttpStallReporter:
         self._quiet_until = 0.0
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: LoopLocal[httpx.AsyncClient] = LoopLocal(
-            lambda: httpx.AsyncClient(timeout=timeout, headers=headers, transport=transport)
+            lambda: httpx.AsyncClient(
+                timeout=timeout, headers=headers, transport=transport, limits=pool_limits()
+            )
         )
 
     async def begin(self, ev: StallBegin) -> None:

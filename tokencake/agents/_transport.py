@@ -18,6 +18,7 @@ import openai
 
 from tokencake.events import SESSION_HEADER
 
+from ._http import pool_limits
 from ._llm import DEFAULT_BASE_URL
 from ._metadata import merge_metadata
 from ._session import Session
@@ -54,7 +55,7 @@ class TokenCakeTransport(httpx.AsyncBaseTransport, httpx.BaseTransport):
         if self._async is None:
             if not self._own:
                 raise TypeError("TokenCakeTransport wraps a sync transport; use it with httpx.Client")
-            self._async = httpx.AsyncHTTPTransport()
+            self._async = httpx.AsyncHTTPTransport(limits=pool_limits())
         if _is_chat(request):
             await request.aread()
         return await self._async.handle_async_request(self._stamp(request))
@@ -63,7 +64,7 @@ class TokenCakeTransport(httpx.AsyncBaseTransport, httpx.BaseTransport):
         if self._sync is None:
             if not self._own:
                 raise TypeError("TokenCakeTransport wraps an async transport; use it with httpx.AsyncClient")
-            self._sync = httpx.HTTPTransport()
+            self._sync = httpx.HTTPTransport(limits=pool_limits())
         if _is_chat(request):
             request.read()
         return self._sync.handle_request(self._stamp(request))

@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import httpx
 
+from tokencake.agents._http import pool_limits
 from tokencake.bench import apps as _apps
 from tokencake.bench.calls import CallRecorder
 from tokencake.bench.intervals import mean_ci, paired_ratio_bootstrap
@@ -201,7 +202,7 @@ async def replay(
         if transport is not None:
             return transport()
         return httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            limits=pool_limits(max_connections=None, max_keepalive_connections=64)
         )
 
     if backends:
