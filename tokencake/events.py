@@ -117,7 +117,7 @@ class GraphMeta(_Wire):
     in_degree: int = 0
     out_degree: int = 0
     fanout_width: int = 1
-    join_group: str | None = None
+    join_group: str | None = Field(default=None, max_length=200)
     on_critical_path: bool = False
     #: Seconds of slack: critical-path length minus the longest path through this node.
     slack_s: float = 0.0
@@ -125,21 +125,28 @@ class GraphMeta(_Wire):
 
 
 class NextStall(_Wire):
-    """The tool the agent is expected to call after this LLM request, if declared."""
+    """The tool the agent is expected to call after this LLM request, if declared.
 
-    tool: str
-    kind: str = "tool"
-    predicted_s: float | None = None
+    Bounded like :class:`StallBegin`: without events the server derives the stall from it.
+    """
+
+    tool: str = Field(min_length=1, max_length=200)
+    kind: str = Field(default="tool", max_length=100)
+    predicted_s: float | None = Field(default=None, ge=0.0, le=86400.0)
 
 
 class RequestMeta(_Wire):
-    """``kv_transfer_params.tokencake`` of one chat completion request."""
+    """``kv_transfer_params.tokencake`` of one chat completion request.
+
+    Its strings key the server's per-session tables, so they have the events' length limits: a
+    table capped by entries must not hold megabyte keys.
+    """
 
     v: int = WIRE_VERSION
-    session_id: str
-    run_id: str
-    node: str
-    agent_type: str = ""
+    session_id: str = Field(min_length=1, max_length=400)
+    run_id: str = Field(max_length=200)
+    node: str = Field(max_length=200)
+    agent_type: str = Field(default="", max_length=200)
     turn: int = 0
     importance: float = 1.0
     graph: GraphMeta = GraphMeta()

@@ -222,3 +222,16 @@ async def test_run_sync_inside_a_running_loop_tells_to_await():
     # ... and the advice works in the same loop
     result = await app.run(llm=tc.ScriptedLLM("ok"), task="t")
     assert result.status == "ok"
+
+
+def test_stages_that_add_up_to_more_than_a_day_are_refused_at_declaration():
+    # Each stage was checked alone, but the hint is their sum: a stall_begin over the wire's
+    # limit failed only when the tool was first called, failing its node.
+    app = tc.App("t")
+
+    def slow(q: str) -> str:
+        return q
+
+    with pytest.raises(tc.AppDefinitionError, match="stages must add up to at most 86400 s"):
+        app.add_tool(slow, stages={"queue": 86400, "work": 1})
+    app.add_tool(slow, name="ok", stages={"queue": 86400, "work": 1}, predict_time=10.0)  # the hint wins

@@ -178,6 +178,8 @@ async def test_tool_results_are_serialized_for_the_model():
     assert json.loads(content) == {"n": 3, "items": [1, 2], "note": "ü"}
     assert llm.requests[1]["tool_choice"] == "none"
     assert llm.requests[0]["kv_transfer_params"]["tokencake"]["next_stall"]["tool"] == "info"
+    # The last turn cannot call a tool: it announces none (a stall that would never end).
+    assert llm.requests[1]["kv_transfer_params"]["tokencake"].get("next_stall") is None
 
 
 async def test_node_extra_body_goes_into_every_call_and_a_calls_own_keys_win():

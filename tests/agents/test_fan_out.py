@@ -170,3 +170,35 @@ async def test_fan_out_to_a_dag_node_is_an_error():
 
     with pytest.raises(tc.NodeFailed, match="a DAG node, not a template"):
         await app.run(llm=tc.ScriptedLLM("x"))
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+async def test_fan_outs_started_from_child_tasks_under_max_concurrency(limit: int):
+    # The slot used to be borrowed by the node's own task: a fan-out from a child task failed to
+    # release it (anyio: "this borrower isn't holding any of this CapacityLimiter's tokens"), and
+    # two fan-outs of one node at once took it back twice.
+    app = tc.App("two_fan_outs")
+
+    @app.function(template=True)
+    async def work(ctx, item):
+        await anyio.sleep(0.05)
+        return item * 10
+
+    @app.function()
+    async def parent(ctx, inputs):
+        out: dict[str, list] = {}
+
+        async def run(key: str, items: list[int]) -> None:
+            out[key] = await ctx.fan_out(work, items)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "a", [1, 2])
+            tg.start_soon(run, "b", [3])
+        return out
+
+    @app.function(after=[parent])
+    async def after(ctx, inputs):
+        return inputs["parent"]
+
+    result = await app.run(llm=tc.ScriptedLLM("x"), max_concurrency=limit)
+    assert result.output == {"a": [10, 20], "b": [30]}

@@ -233,3 +233,43 @@ async def test_the_transport_adds_the_session_header():
     await client.close()
     ((header, tc_meta),) = seen
     assert header == "chat-7" and tc_meta["session_id"] == "chat-7" and tc_meta["stall_events"] is False
+
+
+@pytest.mark.parametrize("case", ["explicit_reporter", "stall_off"])
+async def test_requests_say_whether_this_runs_events_are_sent(case: str):
+    # The flag used to follow the LLM's events URL, not what the run sends: an explicit reporter
+    # on a remote LLM made the server derive a second stall per tool call; stall=False with an
+    # events URL left it with none at all.
+    seen: list[dict] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.path.endswith("/chat/completions"):
+            seen.append(body["kv_transfer_params"]["tokencake"])
+            message = {"role": "assistant", "content": "hi"}
+            reply = {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"]}
+            reply["choices"] = [{"index": 0, "finish_reason": "stop", "message": message}]
+            return httpx.Response(200, json=reply)
+        return httpx.Response(200, json={"ok": True, "status": "recorded"})
+
+    transport = httpx.MockTransport(server)
+    if case == "explicit_reporter":
+        llm = tc.LLM(
+            "http://gpu-box:9000/v1",
+            "smol",
+            events_url=False,
+            http_client=httpx.AsyncClient(transport=transport),
+        )
+        stall = tc.HttpStallReporter("http://gpu-box:9001", transport=transport)
+    else:
+        llm = tc.LLM(
+            "http://gpu-box:9000/v1",
+            "smol",
+            events_url="http://gpu-box:9001",
+            http_client=httpx.AsyncClient(transport=transport),
+        )
+        stall = False
+    await _two_branch_app().run(llm=llm, run_id="r", task="t", stall=stall)
+    assert len(seen) == 5
+    expected = None if case == "explicit_reporter" else False
+    assert all(m.get("stall_events") is expected for m in seen), seen

@@ -219,3 +219,60 @@ async def test_llm_events_url_adds_its_reporter_automatically():
     await _mixed_app().run(llm=llm, stall=False)
     assert reporter.failures == 16
     await llm.aclose()
+
+
+async def test_the_end_of_a_delivered_begin_is_sent_even_in_the_cooldown():
+    # Parallel tools a and b: a's begin is recorded, b's begin times out (a cooldown starts).
+    # a's end must still go out, or the server holds a's copies until the stall expires.
+    app = tc.App("owed")
+
+    @app.tool(predict_time=0.1)
+    async def a() -> str:
+        await anyio.sleep(0.2)
+        return "a"
+
+    @app.tool(predict_time=0.1)
+    async def b() -> str:
+        return "b"
+
+    @app.agent(tools=[a, b])
+    async def agent(ctx, inputs):
+        return (await ctx.llm("go")).text
+
+    seen: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body["type"] == "stall_begin" and body["tool"] == "b":
+            raise httpx.ReadTimeout("slow", request=request)
+        seen.append((body["type"], body["tool"]))
+        return httpx.Response(200, json={"ok": True, "status": "recorded"})
+
+    reporter = tc.HttpStallReporter("http://x:1", transport=httpx.MockTransport(handler), cooldown_s=60)
+    script = {
+        "agent": [
+            [tc.ToolCall(id="1", name="a", arguments={}), tc.ToolCall(id="2", name="b", arguments={})],
+            "ok",
+        ]
+    }
+    with pytest.warns(RuntimeWarning, match="timeout"):
+        await app.run(llm=tc.ScriptedLLM(script), stall=reporter)
+    assert ("stall_begin", "a") in seen and ("stall_end", "a") in seen
+    assert ("stall_end", "b") not in seen and reporter.dropped == 1  # b's end: its begin never arrived
+
+
+async def test_a_rerun_with_the_same_run_id_gets_new_stall_ids():
+    # The server keeps finished stall ids and answers a repeated one "duplicate" (doing nothing):
+    # a retried job reusing its run_id must still get its tool calls handled.
+    ids = []
+    for _ in range(2):
+        rec = tc.StallRecorder()
+        await _mixed_app().run(llm=tc.ScriptedLLM("x"), stall=rec, run_id="job-42")
+        ids.append({b.stall_id for b, _ in rec.pairs()})
+    assert ids[0] and not ids[0] & ids[1]
+
+
+async def test_stall_ids_fit_the_wire_whatever_the_run_id_and_node_names():
+    rec = tc.StallRecorder()
+    await _mixed_app().run(llm=tc.ScriptedLLM("x"), stall=rec, run_id="r" * 80)
+    assert rec.pairs() and all(len(b.stall_id) <= 200 for b, _ in rec.pairs())

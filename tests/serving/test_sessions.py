@@ -181,6 +181,25 @@ def test_bounded_memory() -> None:
     assert t.stats()["finished_stalls"] <= 2
 
 
+def test_begins_for_made_up_sessions_cannot_expire_a_real_sessions_stall() -> None:
+    # A client flooding begins for sessions that never sent a request fills the cap with stalls
+    # that hold nothing; those are expired first, oldest first, never the real session's.
+    t = SessionTracker(max_active_stalls=4)
+    t.record_request("run:a", hashes(2), 256)
+    t.apply(begin("legit", "run:a"))
+    for i in range(10):
+        t.apply(begin(f"fake{i}", "nobody"))
+    assert t.stall("legit").state == "active"  # type: ignore[union-attr]
+    assert [r.stall_id for r in t.active_stalls()] == ["legit", "fake7", "fake8", "fake9"]
+    assert t.stats()["expired.too_many_active_stalls"] == 7
+    # Real sessions alone over the cap: the oldest goes, as before.
+    for i in range(4):
+        t.record_request(f"run:{i}", hashes(1), 128)
+        t.apply(begin(f"real{i}", f"run:{i}"))
+    assert t.stall("legit").state == "expired"  # type: ignore[union-attr]
+    assert [r.stall_id for r in t.active_stalls()] == ["real0", "real1", "real2", "real3"]
+
+
 def test_pending_queue_bound() -> None:
     t = SessionTracker(max_pending=2)
     for i in range(3):

@@ -335,7 +335,10 @@ class Context:
             turn=self._turn,
             importance=float(self._node.importance),
             graph=self.meta,
-            next_stall=self._next_stall(offered),
+            # With tool_choice "none" the model cannot call an offered tool (only a declared call
+            # in code can follow): announcing one would start a stall that never ends.
+            next_stall=self._next_stall(offered if kwargs.get("tool_choice") != "none" else []),
+            stall_events=state.reports_stalls,
         )
         if kwargs.get("response_format") is not None and not llm.supports_response_format:
             kwargs["response_format"] = None

@@ -52,6 +52,14 @@ class NodeFailed(RuntimeError):
         super().__init__(f"node {node!r} failed: {type(original).__name__}: {original}")
 
 
+class StrayCancellation(RuntimeError):
+    """A node or tool raised a cancellation no cancel scope asked for (``NodeFailed``'s cause).
+
+    For example it awaited a future that another task cancelled. It is that code's failure: as a
+    cancellation it would silently stop the run's other nodes and the run would report "ok".
+    """
+
+
 class RunTimeout(TimeoutError):
     """``run(timeout=...)`` expired; all running nodes were cancelled."""
 

@@ -312,8 +312,9 @@ class LLM:
         if response_format is not None:
             kwargs["response_format"] = dict(response_format)
         if meta is not None:
-            if self.events_url is None and meta.stall_events:
-                meta = meta.model_copy(update={"stall_events": False})  # the server derives stalls
+            if self.events_url is None and meta.stall_events and "stall_events" not in meta.model_fields_set:
+                # Nobody said whether events are sent; this LLM sends none: the server derives stalls.
+                meta = meta.model_copy(update={"stall_events": False})
             # A router in front of replicas keeps the session where its KV is (docs/scale-out.md).
             kwargs["extra_headers"] = {SESSION_HEADER: meta.session_id}
         kwargs["extra_body"] = request_extra_body(meta, {**self.extra_body, **(extra_body or {})})

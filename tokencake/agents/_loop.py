@@ -7,6 +7,7 @@ object per running loop and drops the previous loop's object.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -41,3 +42,20 @@ class LoopLocal(Generic[T]):
     def clear(self) -> None:
         self._value = None
         self._token = None
+
+
+def cancelled_by_nobody() -> bool:
+    """Whether the cancellation being handled now was asked for by no cancel scope.
+
+    On asyncio a real cancellation (a cancel scope, a deadline, ``Task.cancel``) leaves the task's
+    ``cancelling()`` above 0; a ``CancelledError`` that user code raised, or got from awaiting a
+    future another task cancelled, does not. Left to propagate, such an error ends a task in a
+    task group without counting as a failure, so a run would stop early and still report "ok".
+    (Trio code cannot raise ``Cancelled`` without a scope.)
+    """
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # not on asyncio
+        return False
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+; on 3.10 nothing is detected
+    return cancelling is not None and cancelling() == 0

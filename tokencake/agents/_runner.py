@@ -8,6 +8,7 @@ ends, its (possibly partial) :class:`RunResult` is built.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import types
@@ -21,11 +22,12 @@ import networkx as nx
 from tokencake.events import GraphMeta, StallBegin, StallEnd
 
 from ._context import Context
-from ._errors import MissingInput, NodeFailed, RunTimeout
+from ._errors import MissingInput, NodeFailed, RunTimeout, StrayCancellation
 from ._llm import LLM
+from ._loop import cancelled_by_nobody
 from ._observe import Observer, Observers
 from ._result import EventKind, NodeResult, RunEvent, RunResult
-from ._stall import StallHook, StallHooks
+from ._stall import HttpStallReporter, StallHook, StallHooks
 
 if TYPE_CHECKING:
     from ._app import App, Node, Ref
@@ -93,21 +95,39 @@ def _hooks(stall: StallHook | Sequence[StallHook] | Literal[False] | None, llm: 
 
 
 class _Slot:
-    """A node's ``max_concurrency`` slot; a node that fans out lends it to its instances."""
+    """A node's ``max_concurrency`` slot; a node that fans out lends it to its instances.
+
+    The slot itself is the limiter's borrower, not the task that took it: a node may fan out
+    from a child task (``asyncio.gather``, a task group), and several fan-outs of one node may
+    run at once — the slot is lent while any runs and taken back when the last one ends.
+    """
 
     def __init__(self, limiter: anyio.CapacityLimiter | None) -> None:
         self.limiter = limiter
         self.held = False
+        self._lent = 0
 
     async def acquire(self) -> None:
-        if self.limiter is not None:
-            await self.limiter.acquire()
+        if self.limiter is not None and not self.held:
+            await self.limiter.acquire_on_behalf_of(self)
             self.held = True
 
     def release(self) -> None:
         if self.limiter is not None and self.held:
             self.held = False
-            self.limiter.release()
+            self.limiter.release_on_behalf_of(self)
+
+    def lend(self) -> None:
+        """A fan-out starts: its instances may use this node's slot."""
+        self._lent += 1
+        if self._lent == 1:
+            self.release()
+
+    async def take_back(self) -> None:
+        """A fan-out ended: the last one to end takes the slot back."""
+        self._lent -= 1
+        if self._lent == 0:
+            await self.acquire()
 
 
 class RunState:
@@ -132,6 +152,10 @@ class RunState:
         self.llm = llm
         self.own_llm = own_llm
         self.hooks = StallHooks(hooks)
+        #: Whether this run's tool calls reach a server's events listener: the requests say so
+        #: (``RequestMeta.stall_events``), and a server told "no" derives stalls itself.
+        own = llm.stall_reporter()
+        self.reports_stalls = any(isinstance(h, HttpStallReporter) or h is own for h in hooks)
         self.run_id = run_id
         self.inputs: Mapping[str, Any] = types.MappingProxyType(dict(inputs))
         self.observers = observers
@@ -151,6 +175,9 @@ class RunState:
         self.failure: tuple[str, Exception] | None = None
         self.result: RunResult | None = None
         self._stall_ids = itertools.count(1)
+        #: Per run: a run_id reused for a retry must not repeat the first run's stall ids (the
+        #: server would answer the second run's events as duplicates and do nothing for it).
+        self._stall_token = uuid.uuid4().hex[:8]
         self._instances: dict[str, itertools.count[int]] = {}
         self._pending = {name: analysis.graph.in_degree(name) for name in self.order}
         self._tg: anyio.abc.TaskGroup | None = None
@@ -167,7 +194,8 @@ class RunState:
             self.listener(event)
 
     def next_stall_id(self, node: str) -> str:
-        return f"{self.run_id}:{node}:{next(self._stall_ids)}"
+        """Unique per tool attempt, and at most 190 characters (the wire allows 200)."""
+        return f"{self.run_id[:120]}:{node[:50]}:{self._stall_token}:{next(self._stall_ids)}"
 
     async def stall_begin(self, ev: StallBegin) -> None:
         self.stall_events.append(ev)
@@ -295,10 +323,15 @@ class RunState:
             self.emit("node_started", name, queue_s=res.queue_s, kind=node.kind, **extra)
             ctx = Context(self, node, res, name=name, parent=parent, slot=slot)
             try:
-                if node.is_async:
-                    output = await node.fn(ctx, inputs)
-                else:
-                    output = await anyio.to_thread.run_sync(node.fn, ctx, inputs, abandon_on_cancel=True)
+                try:
+                    if node.is_async:
+                        output = await node.fn(ctx, inputs)
+                    else:
+                        output = await anyio.to_thread.run_sync(node.fn, ctx, inputs, abandon_on_cancel=True)
+                except asyncio.CancelledError as exc:
+                    if cancelled_by_nobody():
+                        raise StrayCancellation(f"node {name!r} raised {type(exc).__name__}") from exc
+                    raise
             except anyio.get_cancelled_exc_class():
                 res.status = "cancelled"
                 res.finished = time.time()
@@ -346,12 +379,12 @@ class RunState:
 
         slot: _Slot | None = ctx._slot
         if slot is not None:
-            slot.release()  # the parent only waits: its instances may use its slot
+            slot.lend()  # the parent only waits: its instances may use its slot
         async with anyio.create_task_group() as tg:
             for index, (name, item) in enumerate(zip(names, items, strict=True)):
                 tg.start_soon(one, index, name, item, name=f"tokencake node {name}")
         if slot is not None:  # (not when cancelled: the node is ending and needs no slot)
-            await slot.acquire()
+            await slot.take_back()
         if failures:
             raise min(failures, key=lambda f: f[0])[1]
         return outputs

@@ -60,13 +60,18 @@ class StallRecorder:
         return len(self.events)
 
 
+#: Delivered begins remembered for their end (a process with more open tool calls is unusual).
+_MAX_OPEN_STALLS = 4096
+
+
 class HttpStallReporter:
     """POSTs each event to ``{events_url}/v1/events`` (the serving extension).
 
     A server without the extension (404, connection refused, timeout) is not an error: the first
     failure is reported once as a ``RuntimeWarning``, every failure is counted in ``failures``, and
     after a timeout events are dropped (counted in ``dropped``) for ``cooldown_s`` so a silent host
-    does not add ``timeout`` seconds to every tool call.
+    does not add ``timeout`` seconds to every tool call — except the end of a stall whose begin
+    was delivered, which is always tried.
     """
 
     def __init__(
@@ -91,6 +96,9 @@ class HttpStallReporter:
         self.last_ack: EventAck | None = None
         self._warned = False
         self._quiet_until = 0.0
+        #: Stalls whose begin the server recorded (oldest first, bounded): their end is sent even
+        #: in a cooldown, or the server would hold the session's copies until the stall expires.
+        self._delivered: dict[str, None] = {}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: LoopLocal[httpx.AsyncClient] = LoopLocal(
             lambda: httpx.AsyncClient(
@@ -105,7 +113,8 @@ class HttpStallReporter:
         await self._send(ev)
 
     async def _send(self, ev: StallBegin | StallEnd) -> None:
-        if time.monotonic() < self._quiet_until:
+        owed = isinstance(ev, StallEnd) and self._delivered.pop(ev.stall_id, 0) is None
+        if time.monotonic() < self._quiet_until and not owed:
             self.dropped += 1
             return
         try:
@@ -122,6 +131,10 @@ class HttpStallReporter:
         if response.status_code == 200 and ack is not None and ack.ok:
             self.sent += 1
             self.last_ack = ack
+            if isinstance(ev, StallBegin):
+                self._delivered[ev.stall_id] = None
+                if len(self._delivered) > _MAX_OPEN_STALLS:
+                    del self._delivered[next(iter(self._delivered))]
         elif ack is not None:
             # The extension is there and refused this event (unknown_stall, unauthorized, ...).
             self.rejected += 1

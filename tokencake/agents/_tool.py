@@ -6,6 +6,7 @@ every stall event so the server can decide whether the agent's KV cache is worth
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import re
@@ -16,7 +17,8 @@ from typing import Any
 import anyio
 from pydantic import BaseModel
 
-from ._errors import AppDefinitionError, ToolArgumentsError
+from ._errors import AppDefinitionError, StrayCancellation, ToolArgumentsError
+from ._loop import cancelled_by_nobody
 from ._retry import TOOL_ERRORS, ExceptionTypes, Retry, as_retry
 from ._schema import SchemaError, build_args_model, json_schema, validate_args
 
@@ -68,6 +70,8 @@ class Tool:
                 for k, v in self.stages.items()
             ):
                 problems.append(f"tool {self.name!r}: stages must map names to seconds >= 0")
+            elif self.predict_time is None and sum(self.stages.values()) > _MAX_PREDICT_S:
+                problems.append(f"tool {self.name!r}: stages must add up to at most {_MAX_PREDICT_S:g} s")
             else:
                 self.stages = {k: float(v) for k, v in self.stages.items()}
         if not callable(self.fn):
@@ -129,7 +133,12 @@ class Tool:
         args = [arguments[p] for p in self._positional]
         kwargs = {k: v for k, v in arguments.items() if k not in self._positional}
         if self.is_async:
-            return await self.fn(*args, **kwargs)
+            try:
+                return await self.fn(*args, **kwargs)
+            except asyncio.CancelledError as exc:
+                if cancelled_by_nobody():
+                    raise StrayCancellation(f"tool {self.name!r} raised {type(exc).__name__}") from exc
+                raise
         result = await anyio.to_thread.run_sync(
             functools.partial(self.fn, *args, **kwargs), abandon_on_cancel=True
         )

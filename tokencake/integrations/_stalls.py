@@ -14,8 +14,6 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import anyio
-
 import tokencake as tc
 
 #: Seconds a tool is expected to take: one number for every tool, or per tool name.
@@ -35,8 +33,9 @@ def tool_stall(session: tc.Session, tool: str, *, predicted_s: PredictedS, kind:
 def blocking(scope: tc.StallScope) -> Iterator[tc.StallScope]:
     """Run ``scope`` around a synchronous block: begin before it, end after it, whatever happens.
 
-    The events are sent from a short-lived event loop in this thread (or in a helper thread when
-    this one already runs a loop), so the block itself stays synchronous.
+    The events are sent from one event loop on a daemon thread shared by every blocking tool of
+    the process, so the block itself stays synchronous and the reporter keeps one connection
+    pool (a loop per event would build a client, and open a connection, for every event).
     """
     _run(scope.__aenter__)
     try:
@@ -47,22 +46,24 @@ def blocking(scope: tc.StallScope) -> Iterator[tc.StallScope]:
     _run(scope.__aexit__, None, None, None)
 
 
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _events_loop() -> asyncio.AbstractEventLoop:
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="tokencake-stall-events", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
 def _run(fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        anyio.run(fn, *args)
-        return
-    failure: list[BaseException] = []
+    """Run ``fn(*args)`` on the shared events loop and wait for it (its exception is raised here)."""
+    asyncio.run_coroutine_threadsafe(_call(fn, *args), _events_loop()).result()
 
-    def target() -> None:
-        try:
-            anyio.run(fn, *args)
-        except BaseException as exc:  # re-raised in the caller's thread
-            failure.append(exc)
 
-    thread = threading.Thread(target=target, name="tokencake-stall-events")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
+async def _call(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    return await fn(*args)

@@ -191,6 +191,9 @@ class SessionTracker:
         #: session id -> (latest blocks, last use), least recently used first.
         self._sessions: OrderedDict[str, tuple[SessionBlocks, float]] = OrderedDict()
         self._active: OrderedDict[str, StallRecord] = OrderedDict()  # begin order = age order
+        #: The active stalls of sessions that sent no request here (nothing to offload), oldest
+        #: first: the cap expires these before any stall of a real session.
+        self._unknown: OrderedDict[str, None] = OrderedDict()
         self._finished: OrderedDict[str, StallRecord] = OrderedDict()
         self._orphans: OrderedDict[str, str] = OrderedDict()  # stall_id -> session_id of a lone end
         self._pending: deque[StallTransition] = deque()
@@ -307,8 +310,12 @@ class SessionTracker:
         self._active[ev.stall_id] = rec
         if blocks is not None:
             self._hold(blocks)
+        else:
+            self._unknown[ev.stall_id] = None
         while len(self._active) > self.max_active_stalls:
-            oldest = next(iter(self._active))
+            # Begins for made-up sessions (a buggy or hostile client) must not push out the
+            # stalls of sessions whose KV is actually held: those go only when nothing else can.
+            oldest = next(iter(self._unknown)) if self._unknown else next(iter(self._active))
             self._expire(oldest, "too_many_active_stalls")
         self._push(StallTransition("begin", ev.stall_id, ev.session_id, now, ev, blocks))
         return _ok("recorded", decision=decision)
@@ -338,6 +345,7 @@ class SessionTracker:
                 f"stall {ev.stall_id!r} began in session {rec.session_id!r}, not {ev.session_id!r}",
             )
         del self._active[ev.stall_id]
+        self._unknown.pop(ev.stall_id, None)
         rec.state, rec.end, rec.end_at = "ended", ev, now
         self._remember_finished(rec)
         self._push(StallTransition("end", ev.stall_id, ev.session_id, now, ev))
@@ -460,6 +468,7 @@ class SessionTracker:
         rec = self._active.pop(stall_id, None)
         if rec is None:
             return None
+        self._unknown.pop(stall_id, None)
         rec.state, rec.expire_reason = "expired", reason
         self._remember_finished(rec)
         self._count(f"expired.{reason}")

@@ -22,7 +22,7 @@ from tokencake.events import StallBegin, StallEnd
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.metadata import JobResult, TokenCakeMetadata, TokenCakeWorkerMeta
-from tokencake.serving.vllm.scheduler_side import ABANDONED_POLL_S, Options, SchedulerSide
+from tokencake.serving.vllm.scheduler_side import ABANDONED_POLL_S, Options, SchedulerSide, stall_owner
 
 BS = 4  # tokens per block
 NUM_BLOCKS = 16
@@ -251,6 +251,7 @@ def test_demand_load_counts_host_hits_past_device_prefix(pool: BlockPool, clock:
     # Next turn: 4 old blocks + 1 new block + 2 tokens; device has nothing, host has 4 blocks.
     req = request("r2", [*hashes, *chain("new", 1)], 5 * BS + 2)
     side.on_new_request(req)
+    assert side.stats.counter("events.inferred_end") == 0  # its end was delivered
     assert side.get_num_new_matched_tokens(req, 0) == 4 * BS
     # With one block already on device, only the next 3 come from the host.
     assert side.get_num_new_matched_tokens(req, BS) == 3 * BS
@@ -470,6 +471,66 @@ def _offloaded_and_evicted(side: SchedulerSide, pool: BlockPool, clock: Clock, n
     return hashes
 
 
+def test_a_stall_whose_end_was_lost_ends_when_its_session_sends_the_next_request(
+    pool: BlockPool, clock: Clock
+) -> None:
+    # The stall_end never arrived (a reporter in cooldown, a dropped connection). The session's
+    # next request says the tool is over: the stall is accounted against it and its host pins go,
+    # instead of lasting until the stall expires (up to an hour for a plan marked waiting).
+    side = make_side(pool, clock, prefetch=False)
+    hashes = _offloaded_and_evicted(side, pool, clock)
+    assert len(side.host.owned_by(stall_owner("s1"))) == 2
+    clock.t += 3.0
+    nxt = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
+    side.on_new_request(nxt)
+    assert side.stats.counter("events.inferred_end") == 1
+    assert side.get_num_new_matched_tokens(nxt, 0) == 2 * BS  # a demand load of the saved chain
+    allocated = bp.allocate(pool, 3)
+    side.update_state_after_alloc(nxt, [b.block_id for b in allocated], 2 * BS)
+    (load,) = side.build_meta().jobs
+    answer(side, TokenCakeMetadata([load]))
+    assert side.stats.counter("next_turn.requests") == 1
+    assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 0
+    assert side.host.owned_by(stall_owner("s1")) == []
+    assert side.host.num_reclaimable == 2
+    # The real end, late, changes nothing.
+    assert side.handle_event(end(duration=3.0)).status == "duplicate"
+    bp.release(pool, allocated)
+
+
+def test_a_delivered_end_still_queued_when_the_request_arrives_is_not_inferred(
+    pool: BlockPool, clock: Clock
+) -> None:
+    # The usual order: the SDK's end is recorded, then the request comes before any engine step
+    # drained the end. That is a real end, not a lost one.
+    side = make_side(pool, clock, prefetch=False)
+    hashes = _offloaded_and_evicted(side, pool, clock)
+    side.handle_event(end(duration=3.0))
+    nxt = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
+    side.on_new_request(nxt)
+    assert side.stats.counter("events.inferred_end") == 0
+    assert side.get_num_new_matched_tokens(nxt, 0) == 2 * BS
+
+
+def test_an_offloaded_stall_whose_prefetch_failed_expires_while_its_tool_still_runs(
+    pool: BlockPool, clock: Clock
+) -> None:
+    # Its plan is cancelled by the failure, so the planner no longer expires it: without an end
+    # the stall (and its host pins) must still expire at the usual deadline, not after an hour.
+    side = make_side(pool, clock)
+    _offloaded_and_evicted(side, pool, clock)
+    clock.t += 0.5
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch"
+    answer(side, TokenCakeMetadata([job]), ok=False)
+    side.build_meta()
+    assert side.host.owned_by(stall_owner("s1"))
+    clock.t += side.opts.expiry_min_s + 1.0
+    side.build_meta()
+    assert side.host.owned_by(stall_owner("s1")) == []
+    assert side.stats.counter("stalls.expired.no_stall_end") == 1
+
+
 def test_prefetch_leaves_the_queue_the_blocks_it_needs(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock)
     _offloaded_and_evicted(side, pool, clock)
@@ -525,22 +586,22 @@ def test_an_offloaded_stall_whose_prefetch_failed_lets_its_host_pins_go(
     # until a request that never comes).
     side = make_side(pool, clock)
     hashes = _offloaded_and_evicted(side, pool, clock)
-    assert len(side.host.owned_by("s1")) == len(hashes)
+    assert len(side.host.owned_by(stall_owner("s1"))) == len(hashes)
     clock.t += 2.0
     (job,) = side.build_meta().jobs
     assert job.kind == "prefetch"
     answer(side, TokenCakeMetadata([job]), ok=False)
     side.handle_event(end(duration=2.0))
     side.build_meta()
-    assert side.host.owned_by("s1")  # ended just now: the session may still come back
+    assert side.host.owned_by(stall_owner("s1"))  # ended just now: the session may still come back
     clock.t += side.planner.unused_after_s + side.opts.end_grace_s + 1.0
     waiting = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
     side.on_new_request(waiting)
     side.build_meta()
-    assert side.host.owned_by("s1")  # its request is queued: the copies stay pinned for its load
+    assert side.host.owned_by(stall_owner("s1"))  # its request is queued: the copies stay pinned for its load
     side.request_finished(waiting)  # … it was aborted instead
     side.build_meta()
-    assert side.host.owned_by("s1") == []
+    assert side.host.owned_by(stall_owner("s1")) == []
     assert [side.host.lookup(h) is not None for h in hashes] == [True, True]  # cached, reclaimable
     assert side.host.available == side.host.num_blocks
 
@@ -900,7 +961,9 @@ def test_early_save_keeps_the_tail_that_eviction_would_take(pool: BlockPool, clo
     assert side.stats.counter("early_save.jobs") == 1
     assert side.stats.counter("stalls.decision.already_on_host") == 1
     assert all(side.host.lookup(h) is not None for h in hashes)  # the whole chain, tail included
-    assert all(side.host.owners(side.host.lookup(h)) == {"s1"} for h in hashes)  # the stall's now
+    assert all(
+        side.host.owners(side.host.lookup(h)) == {stall_owner("s1")} for h in hashes
+    )  # the stall's now
     side.handle_event(end())
     side.build_meta()
     nxt = request("r2", [*hashes, *chain("n", 1)], 5 * BS + 1)
@@ -932,7 +995,7 @@ def test_stall_begin_during_early_save_does_not_copy_twice(pool: BlockPool, cloc
     assert [j.kind for j in meta.jobs] == ["offload"]  # the early save only
     answer(side, meta)
     # Committed while the stall was active: pinned for it, and the idle blocks demoted.
-    assert all("s1" in side.host.owners(side.host.lookup(h)) for h in hashes)
+    assert all(stall_owner("s1") in side.host.owners(side.host.lookup(h)) for h in hashes)
     assert bp.eviction_rank(pool)[blocks[2].block_id] == empty_free_blocks(pool)
     assert_no_pins(pool)
 
@@ -1763,6 +1826,52 @@ def test_stalls_are_derived_from_requests_when_the_client_sends_no_events(
     assert side.stats.counter("events.derived_begin") == 1
 
 
+def test_request_metadata_has_the_events_length_limits(pool: BlockPool, clock: Clock) -> None:
+    """Session and run ids key tables capped by entry count: a megabyte id makes a plain request.
+    A next_stall the server could not turn into a stall (a 300-character tool, a negative hint)
+    does too, instead of failing the early save when the derived stall is built."""
+    from tokencake.serving.vllm.scheduler_side import request_meta
+
+    huge = request("r0", chain("h", 1), BS + 1, session="s" * 100_000)
+    assert request_meta(huge) is None
+    for bad in ({"tool": "t" * 300, "predicted_s": 4.0}, {"tool": "search", "predicted_s": -1.0}):
+        req = request("r1", chain("d", 2), 2 * BS + 2, next_tool=4.0, events=False)
+        req.kv_transfer_params["tokencake"]["next_stall"] = bad
+        assert request_meta(req) is None
+    side = make_side(pool, clock)
+    req = request("r2", chain("d", 2), 2 * BS + 2, next_tool=4.0, events=False)
+    req.kv_transfer_params["tokencake"]["next_stall"]["tool"] = "t" * 300
+    side.on_new_request(req)
+    side.update_state_after_alloc(req, [], 0)
+    blocks = cache_blocks(pool, chain("d", 2))
+    req.num_computed_tokens = 2 * BS + 1
+    side.request_finished(req)
+    bp.release(pool, blocks)
+    assert side.stats.counter("errors.request_finished") == 0
+
+
+def test_stalls_of_sessions_that_sent_no_request_do_not_teach_the_forecast(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Forecasts are shared by every session of an agent type and tool: event pairs for made-up
+    sessions (no request ever) must not move them; a real session's stall does."""
+    side = make_side(pool, clock, prefetch=False)
+    for i in range(5):
+        side.handle_event(begin(f"x{i}", session="run:nobody", predicted=300.0))
+        side.build_meta()
+        side.handle_event(end(f"x{i}", session="run:nobody", duration=300.0))
+        side.build_meta()
+    assert side.forecaster.predict("A", "search").samples == 0  # the events' agent (node "A")
+    finish_turn(side, pool, chain("k", 2))
+    side.handle_event(begin(predicted=3.0))
+    side.build_meta()
+    (stall,) = side._stalls.values()
+    assert side.forecaster.predict(stall.agent_type, "search").samples == 0
+    side.handle_event(end(duration=3.0))
+    side.build_meta()
+    assert side.forecaster.predict(stall.agent_type, "search").samples == 1
+
+
 def test_recomputed_next_turn_blocks_say_why(pool: BlockPool, clock: Clock) -> None:
     """A resumed session's recomputed prefix blocks are counted by cause: the stall said "no
     pressure" and was never saved; or it was saved and the host copy dropped since."""
@@ -2059,3 +2168,37 @@ def test_a_chain_cut_before_the_stall_was_decided_names_the_finish_decision(
     side.update_state_after_alloc(req, [], 0)
     assert side.stats.counter("next_turn.recomputed_why.lost_before_decision") == 2
     assert side.stats.counter("next_turn.lost_before_decision_after.no_pressure") == 2
+
+
+def test_a_stall_named_like_a_copy_job_cannot_unpin_that_jobs_slots(pool: BlockPool, clock: Clock) -> None:
+    # Stall ids come from clients; job owners are "job:<n>". A tenant's stall named after a
+    # demand load in flight must not own its slots: releasing the stall would hand the slots to
+    # the next save while the load still reads them.
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("v", 2)
+    put_on_host(side, hashes)
+    load_req = request("rv", [*hashes, *chain("vn", 1)], 3 * BS + 2, session="run:V")
+    side.on_new_request(load_req)
+    assert side.get_num_new_matched_tokens(load_req, 0) == 2 * BS
+    allocated = bp.allocate(pool, 3)
+    side.update_state_after_alloc(load_req, [b.block_id for b in allocated], 2 * BS)
+    (load,) = side.build_meta().jobs
+    assert load.kind == "load"
+    job_owner = f"job:{load.job_id}"
+    assert len(side.host.owned_by(job_owner)) == 2
+    # Another tenant: same prefix, a stall named after the job, then its next request.
+    finish_turn(side, pool, hashes, "rx", session="run:X")
+    assert side.handle_event(begin(job_owner, session="run:X")).ok
+    side.build_meta()
+    side.handle_event(end(job_owner, session="run:X"))
+    side.build_meta()
+    nxt = request("rx2", [*hashes, *chain("x", 1)], 3 * BS + 2, session="run:X")
+    side.on_new_request(nxt)
+    side.get_num_new_matched_tokens(nxt, 2 * BS)
+    admit(side, pool, nxt, hashes)
+    side.request_finished(nxt)
+    side.build_meta()
+    assert len(side.host.owned_by(job_owner)) == 2  # the load still reads them
+    assert side.host.num_reclaimable == 0
+    answer(side, TokenCakeMetadata([load]))
+    bp.release(pool, allocated)

@@ -237,6 +237,18 @@ def _finish_owner(session_id: str) -> str:
     return f"finish:{session_id}"
 
 
+_STALL_OWNER = "stall:"
+
+
+def stall_owner(stall_id: str) -> str:
+    """Host-pool owner of a stall's copies.
+
+    Stall ids come from clients, so they get their own namespace: a stall named ``job:7`` must
+    not own (and on release unpin) the slots copy job 7 is still reading.
+    """
+    return f"{_STALL_OWNER}{stall_id}"
+
+
 def _extra_bool(extra: dict[str, Any], name: str, default: bool) -> bool:
     value = extra.get(name, default)
     if isinstance(value, str):
@@ -505,6 +517,9 @@ class SchedulerSide:
             self.stats.inc("requests.with_meta")
             if not meta.stall_events:
                 self._end_derived_stall(meta.session_id)
+            elif meta.session_id in self._session_stall:
+                self._drain(self.clock())  # its end, if delivered, is usually still queued
+                self._end_stalls_the_request_outlived(meta.session_id)
             # Its stalls' host copies are what this request loads next: keep them pinned while
             # it waits for admission, however long the queue (PrefetchPlanner.on_waiting).
             self.planner.on_waiting(meta.session_id, now=self.clock())
@@ -594,6 +609,31 @@ class SchedulerSide:
         )
         if self.sessions.apply(end).ok:
             self.stats.inc("events.derived_end")
+
+    def _end_stalls_the_request_outlived(self, session_id: str) -> None:
+        """The session sent its next request while its stall is still open: the end was lost.
+
+        An agent calls the model again only after its tool calls returned (the SDK sends each
+        end before the next request), so the stall is over. Ended here, it is accounted against
+        this request and its host pins go once the request has what it needs; left open, they
+        would last until the stall expires (up to an hour). A late real end is a duplicate.
+        """
+        sid = self._session_stall.get(session_id)
+        stall = self._stalls.get(sid or "")
+        if stall is None or stall.ended_at is not None:
+            return
+        for rec in self.sessions.active_stalls(session_id):
+            end = StallEnd(
+                stall_id=rec.stall_id,
+                session_id=rec.session_id,
+                run_id=rec.begin.run_id,
+                node=rec.begin.node,
+                tool=rec.begin.tool,
+                duration_s=max(self.clock() - rec.begin_at, 0.0),
+                ts=time.time(),
+            )
+            if self.sessions.apply(end).ok:
+                self.stats.inc("events.inferred_end")
 
     # ---- chains
     def _chain(self, hashes: tuple[bytes, ...] | list[bytes]) -> list[tuple[int, bytes, Any, int | None]]:
@@ -700,7 +740,7 @@ class SchedulerSide:
             back = now + remaining_s(stall.predicted_s, now - stall.begin_at, self.gate.overdue_factor)
             if back > returns_at:
                 rank = demote_rank(critical=stall.critical and self.critical_last, returns_at=back)
-                later.append((rank, stall.stall_id, stall.hashes))
+                later.append((rank, stall_owner(stall.stall_id), stall.hashes))
         return preemption_victims(self.host, later, limit=limit, own=own, skip=planned) if later else []
 
     def _view(
@@ -790,8 +830,9 @@ class SchedulerSide:
         blocks are no longer safe to evict first (what is left on device is all they have)."""
         self.stats.inc("host.preempted_blocks", len(taken))
         hit = {owner for slot in taken for owner in losers[slot]}
-        for stall_id in hit:
-            stall = self._stalls.get(stall_id)
+        for owner in hit:
+            is_stall = owner.startswith(_STALL_OWNER)
+            stall = self._stalls.get(owner.removeprefix(_STALL_OWNER)) if is_stall else None
             if stall is not None:
                 self.stats.inc("host.preempted_stalls")
                 self._promote(stall)
@@ -1458,7 +1499,7 @@ class SchedulerSide:
 
     def _release_stall(self, stall_id: str) -> None:
         """Unpin a stall's host copies and forget it (a prefetch in flight keeps its own pins)."""
-        self.host.release(stall_id)
+        self.host.release(stall_owner(stall_id))
         self._ended.pop(stall_id, None)
         self._demoted.discard(stall_id)
 
@@ -1643,7 +1684,9 @@ class SchedulerSide:
             held = self._kept.get(stall.session_id)
             if held is not None:
                 held.until = min(held.until, tr.at + self.opts.keep_after_end_s)
-            if isinstance(ev, StallEnd):
+            if isinstance(ev, StallEnd) and stall.known:
+                # Only sessions that sent a request teach the shared forecasts: events alone,
+                # for sessions that do not exist, must not steer every tenant's tool durations.
                 self.policy.observe_stall_end(f"{stall.agent_type}/{stall.tool}", ev.duration_s)
                 self.forecaster.observe(stall.agent_type, stall.tool, ev.duration_s, stall.predicted_s)
                 self.stats.observe("forecast.error_s", stall.predicted_s - ev.duration_s)
@@ -1753,7 +1796,7 @@ class SchedulerSide:
         # this stall now; copies still in flight are pinned when they commit.
         for _i, _h, _dev, slot in chain:
             if slot is not None:
-                self.host.pin(slot, stall.stall_id)
+                self.host.pin(slot, stall_owner(stall.stall_id))
         stall.offloaded = True
         h2d = self.transfer.estimate("h2d", len(chain) * self.block_bytes)
         self.planner.begin(
@@ -1802,17 +1845,19 @@ class SchedulerSide:
         d (long prefill steps weigh more than their count: one is more likely to be under way);
         on a GPU that is milliseconds, on vLLM-CPU seconds.
         """
-        total = sum(self._step_gaps)
+        gaps = tuple(self._step_gaps)  # a copy: /v1/stats reads this from the listener's thread
+        total = sum(gaps)
         if total <= 0:
             return 0.0
-        return sum(d * d for d in self._step_gaps) / (2.0 * total)
+        return sum(d * d for d in gaps) / (2.0 * total)
 
     def _alloc_rate(self, now: float) -> float:
         """Blocks allocated per second over the recent window (0 when idle)."""
-        if not self._steps:
+        steps = tuple(self._steps)  # a copy: /v1/stats reads this from the listener's thread
+        if not steps:
             return 0.0
-        span = max(now - self._steps[0][0], 1.0)
-        return sum(n for _t, n in self._steps) / self.block_size / span
+        span = max(now - steps[0][0], 1.0)
+        return sum(n for _t, n in steps) / self.block_size / span
 
     def _eviction_risk(self, chain: list, left_s: float, now: float) -> float:
         """How likely the chain's idle device blocks are evicted before the session returns, in [0, 1].
@@ -1934,7 +1979,10 @@ class SchedulerSide:
         if stall.next_eval <= now and stall.ended_at is None:
             self._evaluate(stall, now)
         expiry = self._expiry(stall.predicted_s)
-        if not stall.offloaded and now - stall.begin_at >= expiry:  # offloaded: the planner expires it
+        # An offloaded stall is the planner's to expire while it is planned; once its plan is gone
+        # (a failed or timed-out prefetch, a reset) the same deadline applies here.
+        planned = stall.offloaded and self.planner.is_open(stall.stall_id)
+        if not planned and now - stall.begin_at >= expiry:
             self._pop_stall(stall.stall_id)
             self._forget_active(stall)
             self.sessions.expire(stall.stall_id, "no_stall_end")
@@ -2160,7 +2208,7 @@ class SchedulerSide:
             if ok and bp.has_hash(block, h):
                 used = self.host.commit(h, slot)
                 if stall is not None and stall.offloaded:
-                    self.host.pin(used, stall.stall_id)
+                    self.host.pin(used, stall_owner(stall.stall_id))
                 elif job.stall_id is None and job.session_id and self.policy.uses_events:
                     # An announced stall's save came back before its stall_begin: unpinned, the
                     # copy is the LRU's to reclaim (and its device blocks free to evict) in the
@@ -2319,12 +2367,15 @@ class SchedulerSide:
 
     # ---- stats
     def _engine_stats(self) -> dict[str, Any]:
+        """Runs on the events listener's thread: iterate copies of the engine thread's tables
+        (taken in one C call each, atomic under the GIL), never the tables themselves."""
         pool = self.pool
+        jobs, kept = tuple(self._jobs.values()), tuple(self._kept.values())
         return {
             "device_blocks": pool.num_gpu_blocks if pool is not None else None,
             "device_free_blocks": bp.num_free(pool) if pool is not None else None,
             "jobs_in_flight": len(self._jobs),
-            "abandoned_in_flight": sum(j.abandoned for j in self._jobs.values()),
+            "abandoned_in_flight": sum(j.abandoned for j in jobs),
             "active_stalls": len(self._stalls),
             "demoted_stalls": len(self._demoted),
             "block_size": self.block_size,
@@ -2335,7 +2386,7 @@ class SchedulerSide:
             "alloc_blocks_per_s": round(self._alloc_rate(self.clock()), 3),
             "step_wait_s": round(self._step_wait_s(), 4),
             "kept_sessions": len(self._kept),
-            "kept_blocks": sum(len(k.blocks) for k in self._kept.values()),
+            "kept_blocks": sum(len(k.blocks) for k in kept),
         }
 
     def _config_stats(self) -> dict[str, Any]:
