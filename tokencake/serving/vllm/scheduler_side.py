@@ -598,6 +598,10 @@ class SchedulerSide:
         if open_ is None:
             return
         begin, started = open_
+        self._end_on_the_clients_behalf(begin, started, "events.derived_end")
+
+    def _end_on_the_clients_behalf(self, begin: StallBegin, started: float, counter: str) -> None:
+        """Apply the ``stall_end`` the client did not send (server clock), as if it had."""
         end = StallEnd(
             stall_id=begin.stall_id,
             session_id=begin.session_id,
@@ -608,7 +612,7 @@ class SchedulerSide:
             ts=time.time(),
         )
         if self.sessions.apply(end).ok:
-            self.stats.inc("events.derived_end")
+            self.stats.inc(counter)
 
     def _end_stalls_the_request_outlived(self, session_id: str) -> None:
         """The session sent its next request while its stall is still open: the end was lost.
@@ -623,17 +627,7 @@ class SchedulerSide:
         if stall is None or stall.ended_at is not None:
             return
         for rec in self.sessions.active_stalls(session_id):
-            end = StallEnd(
-                stall_id=rec.stall_id,
-                session_id=rec.session_id,
-                run_id=rec.begin.run_id,
-                node=rec.begin.node,
-                tool=rec.begin.tool,
-                duration_s=max(self.clock() - rec.begin_at, 0.0),
-                ts=time.time(),
-            )
-            if self.sessions.apply(end).ok:
-                self.stats.inc("events.inferred_end")
+            self._end_on_the_clients_behalf(rec.begin, rec.begin_at, "events.inferred_end")
 
     # ---- chains
     def _chain(self, hashes: tuple[bytes, ...] | list[bytes]) -> list[tuple[int, bytes, Any, int | None]]:
