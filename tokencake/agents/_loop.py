@@ -8,10 +8,13 @@ object per running loop and drops the previous loop's object.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 import anyio.lowlevel
+
+from ._errors import StrayCancellation
 
 T = TypeVar("T")
 
@@ -59,3 +62,14 @@ def cancelled_by_nobody() -> bool:
         return False
     cancelling = getattr(task, "cancelling", None)  # Python 3.11+; on 3.10 nothing is detected
     return cancelling is not None and cancelling() == 0
+
+
+@contextmanager
+def stray_cancellation_fails(what: str) -> Iterator[None]:
+    """Around user code: a cancellation nobody asked for becomes :class:`StrayCancellation`."""
+    try:
+        yield
+    except asyncio.CancelledError as exc:
+        if cancelled_by_nobody():
+            raise StrayCancellation(f"{what} raised {type(exc).__name__}") from exc
+        raise

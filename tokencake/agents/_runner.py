@@ -8,7 +8,6 @@ ends, its (possibly partial) :class:`RunResult` is built.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 import types
@@ -22,9 +21,9 @@ import networkx as nx
 from tokencake.events import GraphMeta, StallBegin, StallEnd
 
 from ._context import Context
-from ._errors import MissingInput, NodeFailed, RunTimeout, StrayCancellation
+from ._errors import MissingInput, NodeFailed, RunTimeout
 from ._llm import LLM
-from ._loop import cancelled_by_nobody
+from ._loop import stray_cancellation_fails
 from ._observe import Observer, Observers
 from ._result import EventKind, NodeResult, RunEvent, RunResult
 from ._stall import HttpStallReporter, StallHook, StallHooks
@@ -323,15 +322,11 @@ class RunState:
             self.emit("node_started", name, queue_s=res.queue_s, kind=node.kind, **extra)
             ctx = Context(self, node, res, name=name, parent=parent, slot=slot)
             try:
-                try:
+                with stray_cancellation_fails(f"node {name!r}"):
                     if node.is_async:
                         output = await node.fn(ctx, inputs)
                     else:
                         output = await anyio.to_thread.run_sync(node.fn, ctx, inputs, abandon_on_cancel=True)
-                except asyncio.CancelledError as exc:
-                    if cancelled_by_nobody():
-                        raise StrayCancellation(f"node {name!r} raised {type(exc).__name__}") from exc
-                    raise
             except anyio.get_cancelled_exc_class():
                 res.status = "cancelled"
                 res.finished = time.time()

@@ -6,7 +6,6 @@ every stall event so the server can decide whether the agent's KV cache is worth
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import re
@@ -17,8 +16,8 @@ from typing import Any
 import anyio
 from pydantic import BaseModel
 
-from ._errors import AppDefinitionError, StrayCancellation, ToolArgumentsError
-from ._loop import cancelled_by_nobody
+from ._errors import AppDefinitionError, ToolArgumentsError
+from ._loop import stray_cancellation_fails
 from ._retry import TOOL_ERRORS, ExceptionTypes, Retry, as_retry
 from ._schema import SchemaError, build_args_model, json_schema, validate_args
 
@@ -133,12 +132,8 @@ class Tool:
         args = [arguments[p] for p in self._positional]
         kwargs = {k: v for k, v in arguments.items() if k not in self._positional}
         if self.is_async:
-            try:
+            with stray_cancellation_fails(f"tool {self.name!r}"):
                 return await self.fn(*args, **kwargs)
-            except asyncio.CancelledError as exc:
-                if cancelled_by_nobody():
-                    raise StrayCancellation(f"tool {self.name!r} raised {type(exc).__name__}") from exc
-                raise
         result = await anyio.to_thread.run_sync(
             functools.partial(self.fn, *args, **kwargs), abandon_on_cancel=True
         )
