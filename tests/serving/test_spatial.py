@@ -259,3 +259,12 @@ def test_the_reserve_takes_the_soonest_critical_returns_while_they_fit() -> None
     assert reserved_sessions(holds, 7) == {"soon", "mid"}
     assert reserved_sessions(holds, 6) == {"soon"}  # "mid" does not fit: nothing after it either
     assert reserved_sessions(holds, 2) == frozenset() and reserved_sessions([], 10) == frozenset()
+
+
+def test_requests_without_a_run_id_do_not_pool_into_one_old_app() -> None:
+    """An empty ``run_id`` names no app: each such request is a new app, as a plain request is."""
+    scorer = SpatialScorer()
+    scorer.order_key(meta(run=""), arrival=0.0, preemptions=0, now=0.0)
+    late = scorer.order_key(meta(run=""), arrival=1000.0, preemptions=0, now=1000.0)
+    fresh = scorer.order_key(meta(run="x"), arrival=1000.0, preemptions=0, now=1000.0)
+    assert late == fresh

@@ -206,8 +206,9 @@ class SpatialScorer:
 
     def app_start(self, meta: RequestMeta | None, *, arrival: float, now: float) -> float:
         """When the request's app counts as started: first seen here, at most ``max_app_age_s``
-        before the request arrived (a plain request is a one-request app: its arrival)."""
-        if meta is None:
+        before the request arrived (a plain request is a one-request app: its arrival, and so is
+        a request without a ``run_id``: unrelated apps must not pool into one "oldest app")."""
+        if meta is None or not meta.run_id:
             return arrival
         started = self.app_started(meta.run_id, now)
         return min(max(started, arrival - self.weights.max_app_age_s), arrival)

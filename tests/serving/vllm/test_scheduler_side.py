@@ -22,7 +22,7 @@ from tokencake.events import StallBegin, StallEnd
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.metadata import JobResult, TokenCakeMetadata, TokenCakeWorkerMeta
-from tokencake.serving.vllm.scheduler_side import ABANDONED_POLL_S, Options, SchedulerSide, stall_owner
+from tokencake.serving.vllm.scheduler_side import ABANDONED_POLL_S, Options, SchedulerSide, _Keep, stall_owner
 
 BS = 4  # tokens per block
 NUM_BLOCKS = 16
@@ -2202,3 +2202,94 @@ def test_a_stall_named_like_a_copy_job_cannot_unpin_that_jobs_slots(pool: BlockP
     assert side.host.num_reclaimable == 0
     answer(side, TokenCakeMetadata([load]))
     bp.release(pool, allocated)
+
+
+# ------------------------------------------------------------- review of the holds and reserve
+# Each test failed on the code before its fix (stop 33's review of the spatial glue).
+
+
+def test_holds_sharing_blocks_free_them_when_released_together(pool: BlockPool, clock: Clock) -> None:
+    """Two sessions' holds over a shared system prompt reference its blocks twice: neither hold
+    alone frees them, both together do (a request that needs both must get them)."""
+    side = make_side(pool, clock)
+    shared, a, b = bp.allocate(pool, 1), bp.allocate(pool, 1), bp.allocate(pool, 1)
+    shared[0].ref_cnt += 1  # the second hold's reference
+    keep_a = _Keep("A", [*shared, *a], until=1e9, since=0.0)
+    keep_b = _Keep("B", [*shared, *b], until=1e9, since=0.0)
+    assert keep_a.releasable == keep_b.releasable == 1
+    assert side._releasable([keep_a]) == side._releasable([keep_b]) == 1
+    assert side._releasable([keep_a, keep_b]) == 3
+    shared[0].ref_cnt += 1  # a running request reads it too: releasing the holds does not free it
+    assert side._releasable([keep_a, keep_b]) == 2
+
+
+def test_a_preempted_request_counts_as_waiting_so_an_idle_engine_releases_holds(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """vLLM puts a preempted request back in its queue without telling the connector; with only
+    that request waiting and the engine idle, a hold must still yield (not wait for its TTL)."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 60.0)
+    req = request("p", chain("p", 1), 4 * BS, session=None)
+    side.on_new_request(req)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, [], 0)
+    assert not side._waiting
+    side.observe_step(4 * BS, num_running=1)
+    side.observe_step(0, num_running=0, preempted={"p"})
+    assert side._waiting == {"p": 4}
+    side.build_meta()
+    assert "run:A" not in side._kept and side.stats.counter("hold.released.pressure") == 1
+    side.request_finished(req)  # aborted while waiting: nothing left behind
+    assert not side._waiting and not side._admitted
+
+
+def test_a_reserve_denial_lets_vllm_look_at_the_next_request(pool: BlockPool, clock: Clock) -> None:
+    """A fresh non-critical request that only fits with the critical reserve waits a step (None):
+    a failed allocation would stop vLLM's admission loop for every smaller request behind it."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _critical_and_other_held(side, pool, clock)
+    big = request("big", chain("w", 1), 14 * BS, session=None)
+    side.on_new_request(big)
+    assert side.get_num_new_matched_tokens(big, 0) is None
+    assert side.stats.counter("spatial.reserve_denials") == 1
+    small = request("small", chain("s", 1), 4 * BS, session=None)  # fits in the free blocks
+    side.on_new_request(small)
+    assert side.get_num_new_matched_tokens(small, 0) == 0
+    assert set(side._kept) == {"run:A", "run:B"}
+
+
+def test_released_holds_go_before_the_spared_critical_chain(pool: BlockPool, clock: Clock) -> None:
+    """A request needs a non-critical hold released: the released blocks join the free queue's
+    back, behind the critical chain the admission spared; they must be taken before it."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 60.0, n=5)
+    side.critical_last = True
+    crit = chain("crit", 3)
+    finish_turn(side, pool, crit, "c1", session="run:C", next_tool=60.0, critical=True)
+    side.handle_event(begin("sC", "run:C", predicted=60.0))
+    answer(side, side.build_meta())
+    assert all(bp.cached_block(pool, h) is not None for h in crit)
+    side.observe_step(BS, num_running=1)
+    free = bp.num_free(pool)
+    req = request("n", chain("n", 1), free * BS, session="run:N", slack=30.0)  # needs free + 1
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 0
+    assert "run:B" not in side._kept
+    taken = bp.allocate(pool, free + 1)  # what vLLM allocates for it
+    assert all(bp.cached_block(pool, h) is not None for h in crit)
+    bp.release(pool, taken)
+
+
+def test_a_chain_still_on_device_is_never_counted_as_having_no_room(pool: BlockPool, clock: Clock) -> None:
+    """``readiness.no_room`` means a prefetch could not have been made at arrival; a chain that
+    needs no copy had room whatever the queue needed (it was filed as no_room_not_needed)."""
+    side = make_side(pool, clock, offload=False)
+    hashes = chain("a", 3)
+    finish_turn(side, pool, hashes, "r1", session="run:A", next_tool=5.0)
+    side.handle_event(begin("sA", "run:A", predicted=5.0))
+    side.build_meta()
+    big = request("big", chain("w", 1), 14 * BS, session=None)  # the queue wants every free block
+    side.on_new_request(big)
+    assert all(bp.cached_block(pool, h) is not None for h in hashes)
+    assert side._room_for_chain("run:A", "r2") is True

@@ -455,11 +455,17 @@ class TokenCakeConnector(KVConnectorBase_V1):
             self.sched.observe_step(
                 getattr(scheduler_output, "total_num_scheduled_tokens", 0),
                 num_running=len(getattr(scheduler_output, "num_scheduled_tokens", None) or ()),
+                preempted=self._preempted(scheduler_output),
             )
             return self.sched.build_meta()
         except Exception:
             self._count_error("build_connector_meta")
             return TokenCakeMetadata(self.sched.flush(), release_after_report=True)
+
+    @staticmethod
+    def _preempted(scheduler_output: SchedulerOutput) -> set[str]:
+        """Requests vLLM preempted this step (back in its waiting queue, no connector call)."""
+        return getattr(scheduler_output, "preempted_req_ids", None) or set()
 
     @_timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -43,7 +43,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -372,6 +372,8 @@ class SchedulerSide:
         self._suspect: dict[int, tuple[Any, str, int]] = {}
         #: Requests not yet admitted -> blocks their prompt needs (the queue's KV demand).
         self._waiting: dict[str, int] = {}
+        #: Admitted requests not finished yet (a preempted one goes back to ``_waiting``).
+        self._admitted: dict[str, Request] = {}
         #: Resumed turns (a session's request after its tool call) waiting for their first token:
         #: request and arrival, for the ``next_turn.ttft_s`` histogram.
         self._first_token: dict[str, tuple[Request, float]] = {}
@@ -541,6 +543,7 @@ class SchedulerSide:
     def _finish(self, request: Request) -> None:
         req_id = request.request_id
         self._waiting.pop(req_id, None)
+        self._admitted.pop(req_id, None)
         if self._first_token:
             self._watch_first_tokens(self.clock(), finished=req_id)
         never_admitted = self._arrival.pop(req_id, None) is not None
@@ -944,6 +947,18 @@ class SchedulerSide:
         self.stats.inc(f"{held.kind}.released.{why}")
         self.stats.observe(f"{held.kind}.held_s", max(self.clock() - held.since, 0.0))
 
+    def _releasable(self, holds: Iterable[_Keep]) -> int:
+        """Blocks that releasing all of ``holds`` together frees: those no one else references.
+        Two holds of sessions that share a system prompt reference its blocks twice, so neither
+        hold alone frees them (``_Keep.releasable``), but releasing both does."""
+        refs: dict[int, int] = {}
+        blocks: dict[int, KVCacheBlock] = {}
+        for held in holds:
+            for b in held.blocks:
+                refs[id(b)] = refs.get(id(b), 0) + 1
+                blocks[id(b)] = b
+        return sum(blocks[k].ref_cnt <= n for k, n in refs.items())
+
     def _release_kept_until(
         self, enough: Callable[[], bool], why: str, *, spare: str = "", protect: frozenset[str] = frozenset()
     ) -> int:
@@ -1022,7 +1037,8 @@ class SchedulerSide:
         Runs inside vLLM's admission (before ``allocate_slots``), so a held chain never delays a
         request that could otherwise run; when even releasing every hold would not make it fit,
         nothing is released (the request waits for running ones either way). True: the request
-        waits a step for the critical reserve instead (``_spare_critical_chains``).
+        waits a step for the critical reserve instead — idle critical chains
+        (``_spare_critical_chains``) or held ones (``_protected``) — and vLLM looks at the next one.
         """
         pool = self.pool
         if pool is None or not (self._kept or (self.critical_last and len(self._critical_idle))):
@@ -1044,14 +1060,24 @@ class SchedulerSide:
         if not self._kept or bp.num_free(pool) >= need:
             return False
         protect = self._protected(info, waited)
-        releasable = sum(
-            k.releasable for k in self._kept.values() if k.session_id != own and k.session_id not in protect
+        releasable = self._releasable(
+            k for k in self._kept.values() if k.session_id != own and k.session_id not in protect
         )
         if bp.num_free(pool) + releasable < need:
             if protect and bp.num_free(pool) + releasable + self._protected_blocks(protect) >= need:
-                self.stats.inc("spatial.reserve_denials")  # it would fit if the reserve were lent
+                # It would fit if the reserve were lent: it waits a step (bounded by
+                # critical_reserve_wait_s) and vLLM looks at the next request, instead of failing
+                # its allocation, which stops vLLM's admission loop for everyone behind it.
+                self.stats.inc("spatial.reserve_denials")
+                return True
             return False
-        self._release_kept_until(lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect)
+        released = self._release_kept_until(
+            lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect
+        )
+        if released and self.critical_last and len(self._critical_idle):
+            # Released blocks join the back of the free queue, behind the critical chains spared
+            # above: spare them again so the allocation takes the released blocks first.
+            return self._spare_critical_chains(info, need, waited, own_hits, evictable)
         return False
 
     def _watch_critical(self, session_id: str, hashes: tuple[bytes, ...], until: float) -> None:
@@ -1267,6 +1293,7 @@ class SchedulerSide:
     ) -> None:
         req_id = request.request_id
         self._waiting.pop(req_id, None)
+        self._admitted[req_id] = request  # to find it again if vLLM preempts it (observe_step)
         arrived = self._arrival.pop(req_id, None)
         info = self._reqs.get(req_id)
         waited: float | None = None
@@ -1340,7 +1367,10 @@ class SchedulerSide:
     ) -> dict[str, frozenset[bytes]]:
         """A non-critical request was admitted: did its allocation evict a critical session's KV?
 
-        ``critical_inversions`` counts every such admission; ``critical_inversions_unsaved`` those
+        ``critical_inversions`` counts, per admission, each critical session that lost cached
+        blocks to it (the issue's "a critical session's cached blocks evicted while a non-critical
+        request allocated": one admission that evicts two sessions' chains is two inversions;
+        ``critical_blocks_evicted`` counts the blocks); ``critical_inversions_unsaved`` those
         that took a block with no host copy — the ones that cost the critical path a recompute (a
         block safe on host comes back by a copy, which is why the eviction order lets those go
         first); ``critical_inversions_late`` those by an admission that could not have waited
@@ -1377,6 +1407,8 @@ class SchedulerSide:
                 missing += 1
             else:
                 own_idle += block.ref_cnt == 0
+        if missing == 0:
+            return True  # already on device: nothing to make room for
         queued = sum(n for r, n in self._waiting.items() if r != req_id)
         yieldable = sum(k.releasable for k in self._kept.values() if k.session_id != session_id)
         room = bp.num_free(pool) - own_idle - max(self._reserve_blocks(), queued) + yieldable
@@ -1809,9 +1841,22 @@ class SchedulerSide:
             self._demote(stall)
 
     def observe_step(
-        self, num_scheduled_tokens: int, now: float | None = None, *, num_running: int = 0
+        self,
+        num_scheduled_tokens: int,
+        now: float | None = None,
+        *,
+        num_running: int = 0,
+        preempted: Iterable[str] = (),
     ) -> None:
-        """Record one step's scheduled tokens (each needs KV: the rate at which blocks get allocated)."""
+        """Record one step's scheduled tokens (each needs KV: the rate at which blocks get allocated).
+
+        ``preempted``: ids of requests vLLM put back in its waiting queue this step. vLLM tells the
+        connector nothing else about them, and a hold must not keep them waiting while the engine
+        idles (``_tick_keeps``), nor a prefetch take the room they need."""
+        for req_id in preempted:
+            request = self._admitted.get(req_id)
+            if request is not None:
+                self._waiting[req_id] = -(-int(request.num_tokens) // self.block_size)
         t = self.clock() if now is None else now
         n = max(0, int(num_scheduled_tokens))
         self._running = max(0, int(num_running))
