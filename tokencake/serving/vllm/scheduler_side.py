@@ -1055,30 +1055,25 @@ class SchedulerSide:
         arrived = self._arrival.get(request.request_id)
         waited = self.clock() - arrived if arrived is not None else math.inf  # re-admission: no reserve
         own_hits = frozenset(bytes(h) for h in computed)
-        if self._spare_critical_chains(info, need, waited, own_hits, evictable):
-            return True
-        if not self._kept or bp.num_free(pool) >= need:
-            return False
-        protect = self._protected(info, waited)
-        releasable = self._releasable(
-            k for k in self._kept.values() if k.session_id != own and k.session_id not in protect
-        )
-        if bp.num_free(pool) + releasable < need:
-            if protect and bp.num_free(pool) + releasable + self._protected_blocks(protect) >= need:
+        if self._kept and bp.num_free(pool) < need:
+            protect = self._protected(info, waited)
+            releasable = self._releasable(
+                k for k in self._kept.values() if k.session_id != own and k.session_id not in protect
+            )
+            if bp.num_free(pool) + releasable >= need:
+                self._release_kept_until(
+                    lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect
+                )
+            elif protect and bp.num_free(pool) + releasable + self._protected_blocks(protect) >= need:
                 # It would fit if the reserve were lent: it waits a step (bounded by
                 # critical_reserve_wait_s) and vLLM looks at the next request, instead of failing
                 # its allocation, which stops vLLM's admission loop for everyone behind it.
                 self.stats.inc("spatial.reserve_denials")
                 return True
-            return False
-        released = self._release_kept_until(
-            lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect
-        )
-        if released and self.critical_last and len(self._critical_idle):
-            # Released blocks join the back of the free queue, behind the critical chains spared
-            # above: spare them again so the allocation takes the released blocks first.
-            return self._spare_critical_chains(info, need, waited, own_hits, evictable)
-        return False
+        # After any release: released blocks join the back of the free queue, and the critical
+        # chains this spares must stay behind them. (It can only ask the request to wait when
+        # the request fits without releasing anything, so nothing is released for a waiter.)
+        return self._spare_critical_chains(info, need, waited, own_hits, evictable)
 
     def _watch_critical(self, session_id: str, hashes: tuple[bytes, ...], until: float) -> None:
         self._unwatch_critical(session_id)
