@@ -88,7 +88,7 @@ def _run(trace: Any, profile: Any, weights: SpatialWeights | None, host: int | N
 
 
 #: The bench's spatial ablations, run on every mix.
-ABLATIONS: tuple[str, ...] = ("spatial-order", "reserve-off")
+ABLATIONS: tuple[str, ...] = ("spatial-order", "reserve-off", "spare-late")
 
 
 def _row(r: Any) -> dict[str, Any]:

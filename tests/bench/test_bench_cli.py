@@ -108,6 +108,7 @@ def test_tokencake_loads_the_spatial_scheduler_and_spatial_off_does_not():
     for name, key, value in (
         ("spatial-order", "critical_last", False),
         ("reserve-off", "critical_reserve_frac", 0.0),
+        ("spare-late", "critical_spare_late", True),
     ):
         ablation = resolve_systems([name])[0]
         kw = server_kwargs(ablation, ServerConfig(), Server)

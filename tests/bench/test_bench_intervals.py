@@ -50,3 +50,29 @@ def test_paired_bootstrap_ratio_of_means_and_interval():
     two = paired_ratio_bootstrap(pairs[:2])
     assert two["ratio"] == pytest.approx(110 / 210) and two["ci95"] is None
     assert paired_ratio_bootstrap([])["ratio"] is None
+
+
+def test_paired_bootstrap_resamples_apps_then_their_rounds():
+    """An app's rounds replay one workload: apps whose ratios differ, each steady over its rounds,
+    give a wide interval resampled by app and a narrow one resampled as if every pair were its own
+    sample (which understates the spread)."""
+    from tokencake.bench.intervals import paired_ratio_bootstrap
+
+    pairs, apps = [], []
+    for app, r in (("x", 0.8), ("y", 1.0), ("z", 1.2)):
+        for noise in (-0.5, 0.0, 0.5):
+            pairs.append((r * (100 + noise), 100 + noise))
+            apps.append(app)
+    by_app = paired_ratio_bootstrap(pairs, resamples=1000, seed=3, clusters=apps)
+    by_pair = paired_ratio_bootstrap(pairs, resamples=1000, seed=3)
+    assert by_app["n_pairs"] == by_pair["n_pairs"] == 9
+    assert by_app["n_apps"] == 3 and by_app["resampled"] == "apps, then each app's rounds"
+    assert by_pair["resampled"] == "pairs"
+    assert by_app["ratio"] == pytest.approx(by_pair["ratio"]) == pytest.approx(1.0, abs=1e-3)
+    width = lambda out: out["ci95"][1] - out["ci95"][0]  # noqa: E731
+    assert width(by_app) > 1.2 * width(by_pair)
+    # One app: its rounds are all there is to resample.
+    one = paired_ratio_bootstrap(pairs[:3], resamples=200, seed=3, clusters=apps[:3])
+    assert one["n_apps"] == 1 and one["resampled"] == "pairs" and one["ci95"] is not None
+    with pytest.raises(ValueError, match="one app per pair"):
+        paired_ratio_bootstrap(pairs, clusters=apps[:2])

@@ -382,6 +382,33 @@ def test_app_pairs_match_by_run_id_and_skip_failures():
     assert app_pairs([point], "a", "missing") == []
 
 
+def test_round_ratios_compare_the_same_apps_when_one_was_lost():
+    """An app that failed on one system leaves the other's mean over more apps: the per-round
+    ratio and captured fraction use only the apps that finished on every system compared."""
+    from tokencake.bench.runner import compare, paired_intervals
+
+    def sys_(apps):
+        done = [e for _r, s, e in apps if s == "ok"]
+        return {
+            "apps": [{"run_id": r, "status": s, "e2e_s": e} for r, s, e in apps],
+            "client": {"e2e_s": {"mean": sum(done) / len(done), "p50": None, "p95": None, "p99": None}},
+            "server": {"computed_prompt_tokens": 0},
+        }
+
+    systems = {
+        "tokencake": sys_([("x", "ok", 10.0), ("y", "failed", 0.0), ("z", "ok", 30.0)]),
+        "baseline": sys_([("x", "ok", 20.0), ("y", "ok", 100.0), ("z", "ok", 40.0)]),
+        "ideal": sys_([("x", "ok", 5.0), ("y", "ok", 50.0), ("z", "ok", 15.0)]),
+    }
+    comp = compare(systems)
+    assert comp["tokencake/baseline"]["mean"] == pytest.approx(40 / 60)  # not 20 / (160 / 3)
+    assert comp["tokencake/ideal"]["mean"] == pytest.approx(40 / 20)
+    assert comp["baseline/ideal"]["mean"] == pytest.approx(160 / 70)  # all three apps on both
+    assert comp["captured_fraction"] == pytest.approx((30 - 20) / (30 - 10))
+    paired = paired_intervals([{"systems": systems}] * 3)
+    assert paired["tokencake/baseline"]["n_pairs"] == 6 and paired["tokencake/baseline"]["n_apps"] == 2
+
+
 def test_memory_per_system_counts_device_and_host_kv():
     from tokencake.bench.runner import BenchConfig, _fill_block_bytes, memory_of
     from tokencake.bench.systems import ServerConfig, resolve_systems

@@ -50,6 +50,11 @@ def test_render_formats_and_errors(tmp_path: Path) -> None:
     assert render("<!--bench l.json points|-1 .1f-->x<!--/bench-->", tmp_path).count("2.0") == 1
     with pytest.raises(ClaimError, match="does not resolve"):  # a list index out of range
         render("<!--bench l.json points|4 .1f-->x<!--/bench-->", tmp_path)
+    # A marker the pattern cannot parse would be skipped, and its number never checked.
+    with pytest.raises(ClaimError, match=":2: malformed marker"):
+        render("ok\n<!--bench l.json  points|0 .1f-->x<!--/bench-->", tmp_path)
+    with pytest.raises(ClaimError, match="malformed marker"):
+        render("<!--bench l.json points|0 .1f-->x<!--/bench>", tmp_path)
 
 
 def test_check_and_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

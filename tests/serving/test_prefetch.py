@@ -95,9 +95,10 @@ def test_request_before_prefetch_done_is_late(planner: PrefetchPlanner, clock: C
     clock.t += 0.2
     planner.mark_done("a")  # finishes after the request arrived
     assert planner.stats()["late_by_s"]["p50"] == pytest.approx(0.2)
-    assert planner.on_request("s2") == [("b", "late")]  # due but never started
+    # Due but never started: the request came first and its own load serves it (not a late copy).
+    assert planner.on_request("s2") == [("b", "superseded_by_request")]
     assert planner.due() == []  # a classified stall is never prefetched afterwards
-    assert planner.stats()["late"] == 2
+    assert planner.stats()["late"] == 1 and planner.stats()["superseded_by_request"] == 1
 
 
 def test_evicted_after_prefetch_is_wasted(planner: PrefetchPlanner, clock: Clock) -> None:
@@ -235,7 +236,7 @@ def test_waiting_request_keeps_its_stall_until_admitted(clock: Clock) -> None:
     assert planner.on_waiting("s1") == 1
     clock.t += 60.0  # far past the grace: only the stall with no waiting request goes
     assert planner.expired() == ["other"]
-    assert planner.on_request("s1") == [("r", "late")]
+    assert planner.on_request("s1") == [("r", "superseded_by_request")]  # no upload had started
     # Bounded: a request that waits longer than expiry_max_s lets its copies go.
     planner.begin("q", "s3", predicted_s=2.0, h2d_s=0.0)
     planner.on_waiting("s3")

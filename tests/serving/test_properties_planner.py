@@ -216,8 +216,10 @@ class PlannerMachine(RuleBasedStateMachine):
                 assert cls == "on_time"
             elif state in ("on_device", "evicted"):
                 assert cls == "wasted"
+            elif state == "prefetching":
+                assert cls == "late"
             else:
-                assert cls == "late" and state in ("waiting", "prefetching"), (state, cls)
+                assert cls == "superseded_by_request" and state == "waiting", (state, cls)
 
     @precondition(lambda self: self.planner is not None)
     @rule()

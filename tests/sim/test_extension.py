@@ -79,6 +79,8 @@ def test_the_eviction_side_goes_with_the_spatial_admission_order() -> None:
     assert not engine_with("spatial", critical_last=False).ext.critical_last  # type: ignore[union-attr]
     assert SYSTEMS["spatial-order"].options == {"critical_last": False}
     assert SYSTEMS["reserve-off"].engine_scheduling() == "spatial"
+    assert SYSTEMS["spare-late"].options == {"critical_spare_late": True}
+    assert SYSTEMS["spare-late"].engine_scheduling() == "spatial"
 
 
 def _spare_scenario(scheduling: str) -> tuple[Engine, Session, Session]:

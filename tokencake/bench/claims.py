@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "docs" / "bench"
 _MARK = re.compile(r"<!--bench (?P<file>\S+) (?P<path>\S+) (?P<fmt>\S+?)-->(?P<value>.*?)<!--/bench-->", re.S)
 
+#: Where a marker starts, well formed or not: every one must parse as :data:`_MARK`.
+_OPENING = re.compile(r"<!--\s*bench\s")
+
 
 class ClaimError(ValueError):
     """A marker whose source is missing or whose path does not resolve."""
@@ -94,6 +97,12 @@ def render(text: str, results_dir: Path = RESULTS_DIR, *, where: str = "<text>")
         value = _format(_walk(_load(src), m["path"], where), m["fmt"], where)
         return f"<!--bench {m['file']} {m['path']} {m['fmt']}-->{value}<!--/bench-->"
 
+    parsed = {m.start() for m in _MARK.finditer(text)}
+    for opening in _OPENING.finditer(text):
+        if opening.start() not in parsed:  # a marker the pattern skips would never be checked
+            line = text.count("\n", 0, opening.start()) + 1
+            want = "<!--bench FILE PATH FORMAT-->…<!--/bench-->"
+            raise ClaimError(f"{where}:{line}: malformed marker (want {want})")
     return _MARK.sub(one, text)
 
 

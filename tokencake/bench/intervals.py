@@ -82,33 +82,57 @@ def mean_ci(values: Iterable[float | None]) -> dict[str, Any]:
 
 
 def paired_ratio_bootstrap(
-    pairs: list[tuple[float, float]], *, resamples: int = 2000, seed: int = 0
+    pairs: list[tuple[float, float]],
+    *,
+    resamples: int = 2000,
+    seed: int = 0,
+    clusters: list[str] | None = None,
 ) -> dict[str, Any]:
     """Ratio of means ``Σa / Σb`` over paired observations with a percentile bootstrap 95 % interval.
 
     A pair is the same app (same run id, same round) measured on two systems, so machine drift
-    between rounds cancels inside each pair; resampling pairs with replacement keeps that pairing.
-    The interval is None with fewer than 3 pairs (a bootstrap of two points says nothing).
+    between rounds cancels inside each pair. The rounds of one app are not independent samples,
+    though: the same app replays the same workload every round, so its pairs move together.
+    With ``clusters`` (each pair's app) the resample is two-stage — apps with replacement, then
+    that app's pairs with replacement — which keeps that dependence and so does not understate
+    the spread as resampling pairs alone does; with one app (or no ``clusters``) it resamples
+    pairs. The interval is None with fewer than 3 pairs (a bootstrap of two points says nothing).
     """
     import random
 
-    data = [(float(a), float(b)) for a, b in pairs if math.isfinite(a) and math.isfinite(b)]
+    keys = clusters if clusters is not None else [str(i) for i in range(len(pairs))]
+    if len(keys) != len(pairs):
+        raise ValueError("clusters must name one app per pair")
+    data = [
+        (key, float(a), float(b))
+        for key, (a, b) in zip(keys, pairs, strict=True)
+        if math.isfinite(a) and math.isfinite(b)
+    ]
     n = len(data)
-    out: dict[str, Any] = {"n_pairs": n, "ratio": None, "ci95": None, "resamples": 0}
-    total_b = sum(b for _a, b in data)
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for key, a, b in data:
+        groups.setdefault(key, []).append((a, b))
+    out: dict[str, Any] = {"n_pairs": n, "n_apps": len(groups), "ratio": None, "ci95": None, "resamples": 0}
+    out["resampled"] = "apps, then each app's rounds" if clusters is not None and len(groups) > 1 else "pairs"
+    total_b = sum(b for _k, _a, b in data)
     if not n or total_b <= 0:
         return out
-    out["ratio"] = sum(a for a, _b in data) / total_b
+    out["ratio"] = sum(a for _k, a, _b in data) / total_b
     if n < 3:
         return out
     rng = random.Random(seed)
+    units = (
+        list(groups.values()) if clusters is not None and len(groups) > 1 else [[(a, b) for _k, a, b in data]]
+    )
     stats: list[float] = []
     for _ in range(resamples):
         sa = sb = 0.0
-        for _i in range(n):
-            a, b = data[rng.randrange(n)]
-            sa += a
-            sb += b
+        for _j in range(len(units)):
+            unit = units[rng.randrange(len(units))] if len(units) > 1 else units[0]
+            for _i in range(len(unit)):
+                a, b = unit[rng.randrange(len(unit))]
+                sa += a
+                sb += b
         if sb > 0:
             stats.append(sa / sb)
     stats.sort()

@@ -204,6 +204,8 @@ ROUND_HEADLINES: dict[str, tuple[str, str]] = {
     "spatial-order/spatial-off": ("E2E mean spatial-order/spatial-off (the admission order alone)", ".3f"),
     "reserve-off/spatial-off": ("E2E mean reserve-off/spatial-off (order + critical-last eviction)", ".3f"),
     "tokencake/reserve-off": ("E2E mean tokencake/reserve-off (the critical reserve)", ".3f"),
+    "spare-late/spatial-off": ("E2E mean spare-late/spatial-off", ".3f"),
+    "spare-late/tokencake": ("E2E mean spare-late/tokencake (late admissions spare critical chains)", ".3f"),
     "spatial-off/offload-all": ("E2E mean spatial-off/offload-all (same scheduler)", ".3f"),
     "spatial-off/continuum": ("E2E mean spatial-off/continuum (same scheduler)", ".3f"),
     "spatial-off/infercept": ("E2E mean spatial-off/infercept (same scheduler)", ".3f"),
@@ -248,12 +250,15 @@ def interval_cells(entry: Mapping[str, Any], spec: str) -> tuple[str, str, str]:
 
 
 def paired_cells(paired: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(pair, "n | ratio | [low, high]")`` of the paired-bootstrap headlines, in headline order."""
+    """``(pair, "pairs (apps) | ratio | [low, high]")`` of the paired-bootstrap headlines, in headline
+    order (results stored before the bootstrap resampled by app give no app count)."""
     out = []
     for key, entry in paired.items():
         ci = entry.get("ci95")
         interval = f"[{_fmt(ci[0], '.3f')}, {_fmt(ci[1], '.3f')}]" if ci else "— (needs 3 pairs)"
-        out.append((key, f"{entry.get('n_pairs', 0)} | {_fmt(entry.get('ratio'), '.3f')} | {interval}"))
+        apps = f" ({entry['n_apps']} apps)" if entry.get("n_apps") is not None else ""
+        n = f"{entry.get('n_pairs', 0)}{apps}"
+        out.append((key, f"{n} | {_fmt(entry.get('ratio'), '.3f')} | {interval}"))
     return out
 
 
@@ -457,9 +462,9 @@ def markdown(results: Mapping[str, Any]) -> str:
         if paired:
             out += [
                 "Paired by app (same run id, same round), ratio of mean E2E with a percentile bootstrap "
-                "95 % interval:",
+                "95 % interval (resampling apps, then each app's rounds):",
                 "",
-                "| ratio | apps paired | ratio of means | bootstrap 95 % CI |",
+                "| ratio | pairs (apps) | ratio of means | bootstrap 95 % CI |",
                 "|---|---|---|---|",
             ]
             out += [f"| {key} | {cells} |" for key, cells in paired_cells(paired)]

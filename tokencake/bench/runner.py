@@ -339,6 +339,14 @@ def compare(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         s = systems.get(name)
         return s["client"]["e2e_s"][stat] if s else None
 
+    def mean_ratio(a: str, b: str) -> float | None:
+        """Mean E2E of ``a`` over ``b``'s on the apps that finished on both: when an app was lost
+        on one, the two means would otherwise be over different apps."""
+        both = _common_apps(systems, (a, b))
+        if both is None:
+            return ratio(e2e(a, "mean"), e2e(b, "mean"))
+        return ratio(sum(both[a]), sum(both[b])) if both[a] else None
+
     def computed(name: str) -> float | None:
         s = systems.get(name)
         return s["server"]["computed_prompt_tokens"] if s else None
@@ -347,17 +355,23 @@ def compare(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     for a, b in HEADLINE_PAIRS:
         if a in systems and b in systems:
             out[f"{a}/{b}"] = {
-                stat: ratio(e2e(a, stat), e2e(b, stat)) for stat in ("mean", "p50", "p95", "p99")
+                "mean": mean_ratio(a, b),
+                **{stat: ratio(e2e(a, stat), e2e(b, stat)) for stat in ("p50", "p95", "p99")},
             }
     for name in systems:
         if name not in ("baseline", "tokencake", "ideal") and "baseline" in systems:
             out[f"{name}/baseline"] = {
-                stat: ratio(e2e(name, stat), e2e("baseline", stat)) for stat in ("mean", "p95")
+                "mean": mean_ratio(name, "baseline"),
+                "p95": ratio(e2e(name, "p95"), e2e("baseline", "p95")),
             }
-    if all(n in systems for n in ("baseline", "tokencake", "ideal")):
-        out["captured_fraction"] = captured_fraction(
-            e2e("baseline", "mean"), e2e("tokencake", "mean"), e2e("ideal", "mean")
-        )
+    three = ("baseline", "tokencake", "ideal")
+    if all(n in systems for n in three):
+        common = _common_apps(systems, three)
+        if common is None:
+            means = [e2e(n, "mean") for n in three]
+        else:
+            means = [sum(common[n]) / len(common[n]) if common[n] else None for n in three]
+        out["captured_fraction"] = captured_fraction(*means)
     base, tc_, ideal = computed("baseline"), computed("tokencake"), computed("ideal")
     if base is not None and tc_ is not None:
         out["recomputed_tokens_avoided"] = base - tc_
@@ -372,6 +386,25 @@ def compare(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         for key in EXTENSION_HEADLINES:
             out[key] = ext["summary"].get(key)
     return out
+
+
+def _common_apps(
+    systems: Mapping[str, Mapping[str, Any]], names: tuple[str, ...]
+) -> dict[str, list[float]] | None:
+    """Each named system's E2E of the apps (by run id) that finished on all of them, in one order;
+    None when a system lists no apps (pooled statistics: the means are all there is)."""
+    ok: list[dict[Any, float]] = []
+    for name in names:
+        apps = systems[name].get("apps")
+        if apps is None:
+            return None
+        done = [x for x in apps if x.get("status") == "ok"]
+        by_id = {x.get("run_id"): x["e2e_s"] for x in done}
+        if None in by_id or len(by_id) < len(done):
+            return None  # apps not told apart by run id: nothing to match on
+        ok.append(by_id)
+    shared = [r for r in ok[0] if all(r in other for other in ok[1:])]
+    return {name: [e[r] for r in shared] for name, e in zip(names, ok, strict=True)}
 
 
 #: E2E ratios of every point (when both systems ran); ``tokencake-roomy/ideal`` is the extension's cost
@@ -404,6 +437,8 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("spatial-order", "spatial-off"),
     ("reserve-off", "spatial-off"),
     ("tokencake", "reserve-off"),
+    ("spare-late", "spatial-off"),
+    ("spare-late", "tokencake"),
     # Two replicas behind a router (issue 15): session affinity against round robin.
     ("replicas-affinity", "replicas-round-robin"),
 )
@@ -462,7 +497,12 @@ def aggregate(points: list[dict[str, Any]]) -> dict[str, Any]:
 
 def app_pairs(rounds: list[dict[str, Any]], a: str, b: str) -> list[tuple[float, float]]:
     """(E2E on ``a``, E2E on ``b``) of every app that finished on both, matched by round and run id."""
-    out: list[tuple[float, float]] = []
+    return [(x, y) for _app, x, y in _matched_apps(rounds, a, b)]
+
+
+def _matched_apps(rounds: list[dict[str, Any]], a: str, b: str) -> list[tuple[str, float, float]]:
+    """``(run id, E2E on a, E2E on b)`` of every app that finished on both, per round."""
+    out: list[tuple[str, float, float]] = []
     for p in rounds:
         sa, sb = p["systems"].get(a), p["systems"].get(b)
         if not sa or not sb:
@@ -470,17 +510,22 @@ def app_pairs(rounds: list[dict[str, Any]], a: str, b: str) -> list[tuple[float,
         on_b = {x.get("run_id"): x["e2e_s"] for x in sb["apps"] if x.get("status") == "ok"}
         for x in sa["apps"]:
             if x.get("status") == "ok" and x.get("run_id") in on_b:
-                out.append((x["e2e_s"], on_b[x["run_id"]]))
+                out.append((str(x.get("run_id")), x["e2e_s"], on_b[x["run_id"]]))
     return out
 
 
 def paired_intervals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every headline pair's ratio of mean E2E over paired apps, with a bootstrap 95 % interval."""
+    """Every headline pair's ratio of mean E2E over paired apps, with a bootstrap 95 % interval
+    that resamples apps, then each app's rounds (an app's rounds replay one workload)."""
     out: dict[str, Any] = {}
     for a, b in HEADLINE_PAIRS:
-        pairs = app_pairs(rounds, a, b)
-        if pairs:
-            out[f"{a}/{b}"] = paired_ratio_bootstrap(pairs, seed=hash_seed(f"{a}/{b}"))
+        rows = _matched_apps(rounds, a, b)
+        if rows:
+            out[f"{a}/{b}"] = paired_ratio_bootstrap(
+                [(x, y) for _app, x, y in rows],
+                seed=hash_seed(f"{a}/{b}"),
+                clusters=[app for app, _x, _y in rows],
+            )
     return out
 
 

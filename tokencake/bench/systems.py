@@ -29,6 +29,8 @@ state.
 ``spatial-order``   ``tokencake`` with the spatial admission order only (connector ``critical_last=false``:
                     no critical-last eviction order, no critical reserve): the spatial ablation's half
 ``reserve-off``     ``tokencake`` without the critical reserve (``critical_reserve_frac=0``)
+``spare-late``      ``tokencake`` with ``critical_spare_late``: an admission past its slack also moves
+                    a returning critical session's host-safe chain behind the other free blocks
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
 ``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
@@ -190,6 +192,14 @@ SYSTEMS: dict[str, SystemSpec] = {
         connector={"critical_last": False},
         scheduler=SPATIAL_SCHEDULER,
         description="tokencake with the spatial admission order only (no critical-last eviction, no reserve)",
+    ),
+    "spare-late": SystemSpec(
+        "spare-late",
+        stock=False,
+        flags=dict(_ALL_ON),
+        connector={"critical_spare_late": True},
+        scheduler=SPATIAL_SCHEDULER,
+        description="tokencake whose late admissions evict other blocks before host-safe critical chains",
     ),
     "reserve-off": SystemSpec(
         "reserve-off",

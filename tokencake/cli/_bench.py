@@ -42,7 +42,8 @@ def register(subparsers: Any) -> None:
         help=(
             "comma-separated: baseline,tokencake,ideal (default; tokencake as `tokencake serve` runs "
             "it, with the spatial scheduler), spatial-off (tokencake without it), spatial-order "
-            "(its admission order only), reserve-off (without the critical reserve), "
+            "(its admission order only), reserve-off (without the critical reserve), spare-late "
+            "(late admissions also evict other blocks before host-safe critical chains), "
             "prefetch-off (= offload-only), "
             "demand-off, tokencake-roomy (extension with the ideal's KV: its cost without pressure), "
             "baseline-priority, ideal-priority, and the other KV policies in the same server: "

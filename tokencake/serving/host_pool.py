@@ -93,6 +93,7 @@ class HostPool:
         self._lock = threading.RLock()
         self._free: deque[int] = deque(range(num_blocks))
         self._state: list[SlotState] = ["free"] * num_blocks
+        self._filling = 0  # slots in state "filling" (counted, not scanned: stats are polled)
         self._hash: list[bytes | None] = [None] * num_blocks
         #: slot -> its owners, only for slots that have any (most slots never do at once).
         self._owners: dict[int, set[str]] = {}
@@ -131,7 +132,7 @@ class HostPool:
     @property
     def num_filling(self) -> int:
         with self._lock:
-            return sum(1 for s in self._state if s == "filling")
+            return self._filling
 
     def state(self, slot: int) -> SlotState:
         with self._lock:
@@ -228,6 +229,7 @@ class HostPool:
                 slots.append(slot)
             for slot in slots:
                 self._state[slot] = "filling"
+                self._filling += 1
                 self._add_owner(slot, owner)
             self._counts["allocated"] += n
             return slots
@@ -254,6 +256,7 @@ class HostPool:
                 self._counts["deduplicated"] += 1
                 return existing
             self._state[slot] = "ready"
+            self._filling -= 1
             self._hash[slot] = block_hash
             self._index[block_hash] = slot
             if slot not in self._owners:
@@ -351,7 +354,7 @@ class HostPool:
                 "num_blocks": self.num_blocks,
                 "free": len(self._free),
                 "ready": len(self._index),
-                "filling": sum(1 for s in self._state if s == "filling"),
+                "filling": self._filling,
                 "reclaimable": len(self._lru),
                 "owners": len(self._owned),
                 **self._counts,
@@ -399,5 +402,6 @@ class HostPool:
             self._remove_owner(slot, owner)
         self._lru.pop(slot, None)
         self._drop_hash(slot)
+        self._filling -= self._state[slot] == "filling"
         self._state[slot] = "free"
         self._free.append(slot)

@@ -55,6 +55,11 @@ class Options:
     critical_reserve_frac: float = 0.25
     #: ...and only from a request that has waited less than this; after it, the reserve is lent.
     critical_reserve_wait_s: float = 10.0
+    #: With ``critical_last``: an admission past its slack (which may not wait for the reserve)
+    #: still evicts other free blocks before a returning critical-path session's host-safe chain
+    #: (it takes the chain only when nothing else is left); False: host-safe critical chains keep
+    #: their place at the front (a copy brings them back) and only unsaved ones are spared.
+    critical_spare_late: bool = False
     #: A request waits at most this long for its session's prefetch copy before loading on demand.
     prefetch_wait_s: float = 1.0
     #: How often a retryable gate decision (no pressure yet, host full) is asked again: every

@@ -14,9 +14,10 @@ again (at most ``max_prefetches`` uploads per stall). If no end arrives by
 ``clamp(4 × predicted, 60 s, 1 h)`` the stall expires and its host pins should be released.
 
 Every stall gets exactly one classification, at the session's next request or at expiry:
-``on_time`` (blocks on device when the request came), ``late`` (prefetch in flight or not yet
-started at arrival — demand load takes over), ``wasted`` (prefetched but evicted before use, or
-never used), ``unused`` (ended, never prefetched, no next request), ``expired`` (no end in time).
+``on_time`` (blocks on device when the request came), ``late`` (prefetch in flight at arrival —
+demand load takes over), ``superseded_by_request`` (no prefetch had started: the request's own
+load brings the chain), ``wasted`` (prefetched but evicted before use, or never used),
+``unused`` (ended, never prefetched, no next request), ``expired`` (no end in time).
 
 All times are server-side (``clock``, monotonic by default; injectable for tests) — never the
 client's ``ts``, whose clock may differ. Thread-safe.
@@ -46,8 +47,8 @@ __all__ = [
 ]
 
 PrefetchState = Literal["waiting", "prefetching", "on_device", "evicted", "cancelled", "done"]
-Classification = Literal["on_time", "late", "wasted", "unused", "expired"]
-CLASSIFICATIONS: tuple[str, ...] = ("on_time", "late", "wasted", "unused", "expired")
+Classification = Literal["on_time", "late", "superseded_by_request", "wasted", "unused", "expired"]
+CLASSIFICATIONS: tuple[str, ...] = ("on_time", "late", "superseded_by_request", "wasted", "unused", "expired")
 
 
 def miss_reason(plan: PlannedStall | None, *, room_at_arrival: bool | None, deferred: int) -> str:
@@ -327,8 +328,10 @@ class PrefetchPlanner:
                         self._early_by.add(t - plan.done_at)
                 elif plan.state in ("on_device", "evicted"):
                     cls = "wasted"
-                else:  # waiting or prefetching: the request is ahead of the upload
+                elif plan.state == "prefetching":  # the request is ahead of the upload in flight
                     cls = "late"
+                else:  # no upload had started: the request's own (demand) load brings the chain
+                    cls = "superseded_by_request"
                 self._classify(plan, cls)
                 out.append((sid, cls))
         return out

@@ -412,6 +412,11 @@ class SessionTracker:
                 self._count("sessions_idle_forgotten")
             return old
 
+    def pending_transitions(self) -> int:
+        """Transitions applied but not yet drained: cheap (the engine asks every step)."""
+        with self._lock:
+            return len(self._pending)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {

@@ -582,8 +582,10 @@ class KVExtension:
             sids = self._watchers.get(k) if k is not None else None
             return bool(sids) and any(sid != own and back(sid) for sid in sids)
 
+        spare_safe = may_wait or self.opts.critical_spare_late
+
         def spare(k: Any) -> bool:
-            return reserved(k) and (may_wait or self.host.lookup(k) is None)
+            return reserved(k) and (spare_safe or self.host.lookup(k) is None)
 
         found = self._eviction_window(spare, window, skip)
         if found:

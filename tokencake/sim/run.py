@@ -66,6 +66,9 @@ SYSTEMS: dict[str, SystemSpec] = {
     "reserve-off": SystemSpec(
         "reserve-off", "tokencake", options={"critical_reserve_frac": 0.0}, scheduling="spatial"
     ),
+    "spare-late": SystemSpec(
+        "spare-late", "tokencake", options={"critical_spare_late": True}, scheduling="spatial"
+    ),
     "offload-all": SystemSpec("offload-all", "offload-all"),
     "continuum": SystemSpec("continuum", "continuum"),
     "infercept": SystemSpec("infercept", "infercept"),

@@ -1917,12 +1917,13 @@ def _admit_after_critical_and_other_idle(
     on_host: bool = False,
     stall: bool = True,
     silent_s: float = 0.0,
+    **opts: Any,
 ) -> tuple[SchedulerSide, list[bytes], list[bytes]]:
     """A critical-path session away on a tool call (its chain idle, the older one in the free
     queue), then a non-critical session's idle chain; a plain request allocates 12 of the 15
     free blocks: the 9 never used plus 3 more. ``stall=False``: the critical session's
     ``stall_begin`` never came, and ``silent_s`` passed before the plain request."""
-    side = make_side(pool, clock, offload=False)
+    side = make_side(pool, clock, offload=False, **opts)
     side.critical_last = critical_last
     crit, other = chain("crit", 3), chain("other", 3)
     finish_turn(side, pool, crit, "c1", session="run:C", next_tool=5.0, critical=True)
@@ -1967,6 +1968,21 @@ def test_a_critical_chain_safe_on_host_keeps_its_place(pool: BlockPool, clock: C
     assert side.stats.counter("spatial.critical_spared_blocks") == 0
     assert side.stats.counter("spatial.critical_inversions") == 1
     assert side.stats.counter("spatial.critical_inversions_unsaved") == 0
+
+
+def test_critical_spare_late_moves_a_host_safe_critical_chain_behind_other_blocks(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """``critical_spare_late``: an admission that may not wait (a plain request here) evicts the
+    other idle chain before a returning critical session's host-safe one, and is not delayed."""
+    side, crit, other = _admit_after_critical_and_other_idle(
+        pool, clock, critical_last=True, on_host=True, critical_spare_late=True
+    )
+    assert all(bp.cached_block(pool, h) is not None for h in crit)
+    assert all(bp.cached_block(pool, h) is None for h in other)
+    assert side.stats.counter("spatial.critical_spared_blocks") == 3
+    assert side.stats.counter("spatial.critical_inversions") == 0
+    assert side.stats.counter("spatial.critical_reserve_waits") == 0
 
 
 def _reserve_case(
@@ -2293,3 +2309,46 @@ def test_a_chain_still_on_device_is_never_counted_as_having_no_room(pool: BlockP
     side.on_new_request(big)
     assert all(bp.cached_block(pool, h) is not None for h in hashes)
     assert side._room_for_chain("run:A", "r2") is True
+
+
+def test_readiness_is_judged_when_the_request_arrives_not_when_vllm_first_asks(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Room at arrival is taken at arrival: a queue that builds up after the request came does not
+    excuse a miss (readiness.no_room), however late vLLM first asks about it."""
+    side = make_side(pool, clock)
+    hashes = _offloaded_and_evicted(side, pool, clock)
+    clock.t += 2.0
+    side.handle_event(end(duration=2.0))
+    req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
+    side.on_new_request(req)  # its chain is on host only, nothing loading, the device has room
+    side.on_new_request(request("big", chain("w", 1), 14 * BS, session=None))  # then the queue fills
+    assert side._room_for_chain("run:A", "r2") is False  # what a first-ask check would have seen
+    assert side.get_num_new_matched_tokens(req, 0) == 2 * BS
+    allocated = bp.allocate(pool, 3)
+    side.update_state_after_alloc(req, [b.block_id for b in allocated], 2 * BS)
+    assert side.stats.counter("readiness.eligible") == 1
+    assert side.stats.counter("readiness.missed") == 1
+    assert side.stats.counter("readiness.no_room") == 0
+
+
+def test_a_prefetch_that_lands_while_the_request_queues_was_not_ready_for_it(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """The blocks must be on device (or loading) when the request arrives; one uploaded while it
+    waited in the queue served it, but it was not ready (a ``missed``, not ``prefetched``)."""
+    side = make_side(pool, clock)
+    hashes = _offloaded_and_evicted(side, pool, clock)
+    clock.t += 2.0
+    side.handle_event(end(duration=2.0))
+    req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
+    side.on_new_request(req)
+    (job,) = side.build_meta().jobs  # the upload starts only after the request came
+    assert job.kind == "prefetch"
+    answer(side, TokenCakeMetadata([job]))
+    assert side.get_num_new_matched_tokens(req, 2 * BS) == 0  # a device hit by admission
+    side.update_state_after_alloc(req, [], 0)
+    assert side.stats.counter("readiness.eligible") == 1
+    assert side.stats.counter("readiness.prefetched") == 0
+    assert side.stats.counter("readiness.missed") == 1
+    assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 0

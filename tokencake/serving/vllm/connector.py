@@ -139,6 +139,7 @@ def _options(extra: dict[str, Any]) -> Options:
         "demote",
         "hold_prefetched",
         "critical_last",
+        "critical_spare_late",
     ):
         setattr(opts, name, _extra_bool(extra, name, getattr(opts, name)))
     policy = str(extra.get("policy") or DEFAULT_POLICY).strip().lower()

@@ -221,15 +221,21 @@ class _ReqInfo:
     derive_stalls: bool = False
     run_id: str = ""
     node: str = ""
-    #: A prefetch of this session was being copied when the request first asked for its prefix.
+    #: A prefetch of this session was being copied when the request arrived (readiness: ``loading``).
     arrived_while_loading: bool = False
-    #: When the request first asked for its prefix: could the session's missing chain blocks
-    #: have been uploaded then under the prefetch budget rule (None: not asked yet)?
+    #: When the request arrived: could the session's missing chain blocks have been uploaded then
+    #: under the prefetch budget rule (None: unknown)? Taken at arrival, not when vLLM first asks
+    #: for its prefix — under a long queue that is much later, and the device fuller.
     room_at_arrival: bool | None = None
     #: The node's slack in its app's DAG (seconds it can start late without delaying the app).
     slack_s: float = 0.0
     #: It waited at least one step for the critical reserve (``_spare_critical_chains``).
     reserve_waited: bool = False
+    #: Its admission waited for a prefetch of its session in flight (``demand_load.waited_for_prefetch``).
+    waited_for_prefetch: bool = False
+    #: How many leading blocks of the session's last chain that this prompt repeats were cached on
+    #: device when the request arrived (readiness; None: not known at arrival).
+    device_blocks_at_arrival: int | None = None
 
 
 def _finish_owner(session_id: str) -> str:
@@ -463,7 +469,7 @@ class SchedulerSide:
     def has_pending_work(self) -> bool:
         """True while copies are in flight, transitions wait, or a prefetch is due now."""
         live = any(not j.abandoned for j in self._jobs.values())
-        if live or self._outbox or self.sessions.stats()["pending_transitions"]:
+        if live or self._outbox or self.sessions.pending_transitions():
             return True
         if self._poll_abandoned_at is not None and self.clock() >= self._poll_abandoned_at:
             return True  # a given-up copy's late report releases its pins: poll for it now and then
@@ -525,6 +531,11 @@ class SchedulerSide:
             # Its stalls' host copies are what this request loads next: keep them pinned while
             # it waits for admission, however long the queue (PrefetchPlanner.on_waiting).
             self.planner.on_waiting(meta.session_id, now=self.clock())
+            # Readiness is judged at arrival (the user's wait starts here), not at vLLM's first ask.
+            info = self._reqs[request.request_id]
+            info.arrived_while_loading = self._jobs.get(self._prefetching.get(meta.session_id, 0)) is not None
+            info.room_at_arrival = self._room_for_chain(meta.session_id, request.request_id)
+            info.device_blocks_at_arrival = self._repeated_chain_on_device(meta.session_id, request)
         self._waiting[request.request_id] = -(-int(request.num_tokens) // self.block_size)
         self._arrival[request.request_id] = self.clock()
 
@@ -1148,8 +1159,10 @@ class SchedulerSide:
             sids = owners.get(h)
             return bool(sids) and any(sid != own and back(sid) for sid in sids)
 
+        spare_safe = may_wait or self.opts.critical_spare_late
+
         def spare(h: bytes) -> bool:
-            return reserved(h) and (may_wait or self.host.lookup(h) is None)
+            return reserved(h) and (spare_safe or self.host.lookup(h) is None)
 
         window = need - own_free  # the blocks it evicts or takes fresh
         skip = own_hits.__contains__ if own_hits else None
@@ -1205,8 +1218,8 @@ class SchedulerSide:
             self._drain(self.clock())
             job = self._jobs.get(self._prefetching.get(info.session_id, 0))
             if job is not None:
-                if not info.arrived_while_loading:
-                    info.arrived_while_loading = True
+                if not info.waited_for_prefetch:
+                    info.waited_for_prefetch = True
                     self.stats.inc("demand_load.waited_for_prefetch")
                 if self.clock() - job.issued_at < self.opts.prefetch_wait_s:
                     return None
@@ -1409,6 +1422,21 @@ class SchedulerSide:
         room = bp.num_free(pool) - own_idle - max(self._reserve_blocks(), queued) + yieldable
         return room >= missing
 
+    def _repeated_chain_on_device(self, session_id: str, request: Request) -> int | None:
+        """Leading blocks of the session's last chain that ``request`` repeats and that are cached
+        on device now (None: no chain, or no pool yet)."""
+        pool = self.pool
+        stall = self._last_stall.get(session_id) or self._active_stall(session_id)
+        if pool is None or stall is None:
+            return None
+        limit = (request.num_tokens - 1) // self.block_size
+        n = 0
+        for old, new in zip(stall.hashes, list(request.block_hashes)[:limit], strict=False):
+            if old != bytes(new) or bp.cached_block(pool, old) is None:
+                break
+            n += 1
+        return n
+
     def _count_recomputed(self, stall: _Stall, request: Request, first: int, end: int) -> None:
         """Why the blocks ``first..end`` of a resumed session's repeated prefix were recomputed
         (``next_turn.recomputed_why.<cause>``, in blocks): ``lost_before_decision`` (evicted from
@@ -1469,13 +1497,16 @@ class SchedulerSide:
         self.stats.set("next_turn.last_device", device)
         self.stats.set("next_turn.last_host", served - device)
         # Readiness: were the blocks on device (or being copied there) when the request came? Only
-        # stalls long enough for a copy to fit count; shorter ones nobody could have served.
+        # stalls long enough for a copy to fit count; shorter ones nobody could have served. Judged
+        # at arrival: a prefetch that lands while the request queues was not ready for it.
         on_device = device >= chain_tokens
+        at_arrival = info.device_blocks_at_arrival
+        ready_on_device = on_device if at_arrival is None else at_arrival * self.block_size >= chain_tokens
         ended_at = stall.ended_at if stall.ended_at is not None else self.clock()
         if chain_tokens > 0 and ended_at - stall.begin_at > stall.lead_s:
             if info.arrived_while_loading:
                 ready = "loading"
-            elif on_device:
+            elif ready_on_device:
                 ready = "prefetched" if stall.prefetched else "not_needed"
             else:
                 ready = "missed"
