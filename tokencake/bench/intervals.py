@@ -100,30 +100,28 @@ def paired_ratio_bootstrap(
     """
     import random
 
-    keys = clusters if clusters is not None else [str(i) for i in range(len(pairs))]
-    if len(keys) != len(pairs):
+    if clusters is not None and len(clusters) != len(pairs):
         raise ValueError("clusters must name one app per pair")
-    data = [
-        (key, float(a), float(b))
-        for key, (a, b) in zip(keys, pairs, strict=True)
-        if math.isfinite(a) and math.isfinite(b)
-    ]
-    n = len(data)
+    keys = clusters if clusters is not None else [""] * len(pairs)  # no apps named: one group
     groups: dict[str, list[tuple[float, float]]] = {}
-    for key, a, b in data:
-        groups.setdefault(key, []).append((a, b))
-    out: dict[str, Any] = {"n_pairs": n, "n_apps": len(groups), "ratio": None, "ci95": None, "resamples": 0}
-    out["resampled"] = "apps, then each app's rounds" if clusters is not None and len(groups) > 1 else "pairs"
-    total_b = sum(b for _k, _a, b in data)
+    data: list[tuple[float, float]] = []  # in the order given (the ratio's sums are too)
+    for key, (a, b) in zip(keys, pairs, strict=True):
+        if math.isfinite(a) and math.isfinite(b):
+            data.append((float(a), float(b)))
+            groups.setdefault(key, []).append(data[-1])
+    n = len(data)
+    by_app = len(groups) > 1
+    out: dict[str, Any] = {"n_pairs": n, "n_apps": len(groups) if clusters is not None else None}
+    out.update(ratio=None, ci95=None, resamples=0)
+    out["resampled"] = "apps, then each app's rounds" if by_app else "pairs"
+    total_b = sum(b for _a, b in data)
     if not n or total_b <= 0:
         return out
-    out["ratio"] = sum(a for _k, a, _b in data) / total_b
+    out["ratio"] = sum(a for a, _b in data) / total_b
     if n < 3:
         return out
     rng = random.Random(seed)
-    units = (
-        list(groups.values()) if clusters is not None and len(groups) > 1 else [[(a, b) for _k, a, b in data]]
-    )
+    units = list(groups.values()) if by_app else [data]
     stats: list[float] = []
     for _ in range(resamples):
         sa = sb = 0.0

@@ -1211,8 +1211,6 @@ class SchedulerSide:
         info = self._reqs.get(req_id)
         if info is not None:
             self._local_hit[req_id] = num_computed_tokens
-            if info.room_at_arrival is None:
-                info.room_at_arrival = self._room_for_chain(info.session_id, req_id)
             # Stall transitions may still be queued (no step since they arrived): apply them now so
             # this request is accounted against its stall. Only bookkeeping and pins happen here.
             self._drain(self.clock())
