@@ -22,6 +22,7 @@ from tokencake.serving.replicas import Replicas
 
 class _Worker(BaseHTTPRequestHandler):
     seen: list[dict[str, Any]]
+    protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server does
 
     def log_message(self, *args: object) -> None:
         pass
@@ -76,7 +77,9 @@ def routed(tmp_path: Path) -> Iterator[tuple[Replicas, list[_Stub]]]:
 
 def test_sessions_stick_to_a_worker_and_tokencake_fields_pass(routed: tuple[Replicas, list[_Stub]]) -> None:
     reps, stubs = routed
-    sessions = [f"app:agent-{i}" for i in range(12)]
+    # 32 sessions: with a balanced hash ring the chance that all land on one worker is 2**-31, so a
+    # failure of the spread check below means the router sent everything to one worker.
+    sessions = [f"app:agent-{i}" for i in range(32)]
     with httpx.Client(timeout=30.0) as client:
         for _turn in range(3):
             for sid in sessions:
@@ -98,4 +101,6 @@ def test_sessions_stick_to_a_worker_and_tokencake_fields_pass(routed: tuple[Repl
             assert item["body"]["kv_transfer_params"]["tokencake"]["session_id"] == item["session"]
     assert sorted(where) == sorted(sessions)
     assert all(len(workers) == 1 for workers in where.values()), where  # every session stayed put
-    assert all(stub.seen for stub in stubs)  # and the sessions are spread over both
+    log = (reps.log_dir / "router.log").read_text(errors="replace")[-3000:]
+    spread = [len(stub.seen) for stub in stubs]
+    assert all(spread), f"all sessions on one worker {spread}; router log tail:\n{log}"
