@@ -141,3 +141,24 @@ def test_a_non_critical_admission_waits_for_the_critical_reserve_while_requests_
     engine, crit = _reserve_scenario(critical_reserve_wait_s=0.0)
     c = counters(engine)
     assert c["spatial.critical_inversions"] == 1 and c["spatial.critical_inversions_late"] == 1
+
+
+def test_readiness_is_judged_when_the_next_request_arrives() -> None:
+    """As the connector: a chain still on device when the session's next request arrives was
+    ready for it, even if a request admitted ahead of it evicts the chain while it queues."""
+    engine = engine_with("fcfs")
+    assert engine.ext is not None
+    a = Session("a", "agent", 4)
+    engine.submit(Request(0, a, prompt_tokens=8, output_tokens=1, arrival=0.0, next_tool=("t", 5.0)))
+    run(engine)
+    engine.ext.stall_begin(a, "st1", "t", 5.0)
+    engine.idle_until(engine.now + 5.0)
+    engine.ext.stall_end("st1", 5.0)
+    # A request that needs the whole device arrives first; the session's next turn right after.
+    engine.submit(Request(1, Session("b", "agent", 4), prompt_tokens=13, output_tokens=1, arrival=engine.now))
+    engine.submit(Request(2, a, prompt_tokens=12, output_tokens=1, arrival=engine.now))
+    run(engine)
+    c = counters(engine)
+    assert c["next_turn.prefix_tokens_recomputed"] == 8  # evicted while it queued ...
+    assert c["readiness.eligible"] == 1
+    assert c["readiness.not_needed"] == 1 and c["readiness.missed"] == 0  # ... but ready at arrival

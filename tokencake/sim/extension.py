@@ -83,6 +83,16 @@ class _Job:
     session_id: str = ""
 
 
+@dataclass(frozen=True)
+class _Arrival:
+    """How a session's chain stood when its next request arrived (readiness is judged then)."""
+
+    room: bool  # the device had room for the missing blocks
+    loading: bool  # a prefetch of the session was being copied
+    device_blocks: int  # leading chain blocks cached on device
+    missed_why: str  # ``miss_reason`` from the plan as it stood
+
+
 @dataclass(eq=False)
 class _Hold:
     session_id: str
@@ -151,8 +161,8 @@ class KVExtension:
         self._stream_free_at = 0.0
         self._next_job = 0
         self._loading_sessions: dict[str, _Job] = {}
-        self._arrived_while_loading: set[int] = set()
-        self._room_at_arrival: dict[int, bool] = {}
+        #: A session's next turn -> how its chain stood when the request arrived (readiness).
+        self._arrivals: dict[int, _Arrival] = {}
         self._seen_evictions = -1
         self._retries: list[tuple[float, int, _Stall]] = []
         self._retry_seq = itertools.count()
@@ -679,16 +689,33 @@ class KVExtension:
 
     # ------------------------------------------------------------------ engine hooks
     def on_new_request(self, req: Request) -> None:
-        """As the connector: the session's host copies stay pinned while this request waits."""
-        self.planner.on_waiting(req.session.session_id, now=self.now)
+        """As the connector: the session's host copies stay pinned while this request waits, and
+        readiness is judged now, at arrival, not when the engine first asks for its prefix."""
+        sid = req.session.session_id
+        self.planner.on_waiting(sid, now=self.now)
+        stall = self._last_stall.get(sid)
+        if stall is None or stall.accounted:
+            return
+        room = self._room_for_chain(req)
+        chain = min(len(stall.keys), (req.prompt_tokens - 1) // self.block_size)
+        on_device = 0
+        for k in stall.keys[:chain]:
+            if self.cache.lookup(k) is None:
+                break
+            on_device += 1
+        self._arrivals[req.rid] = _Arrival(
+            room=room,
+            loading=sid in self._loading_sessions,
+            device_blocks=on_device,
+            missed_why=miss_reason(
+                self.planner.get(stall.stall_id), room_at_arrival=room, deferred=stall.deferred
+            ),
+        )
 
     def host_match(self, req: Request, first: int, limit: int) -> list[int] | None:
         sid = req.session.session_id
-        if req.rid not in self._room_at_arrival:
-            self._room_at_arrival[req.rid] = self._room_for_chain(req)
         job = self._loading_sessions.get(sid)
         if job is not None:
-            self._arrived_while_loading.add(req.rid)
             if req.seen_at is not None and self.now - req.seen_at < self.opts.prefetch_wait_s:
                 return None
         if not self.opts.demand_load or not self.policy.demand_load or self.host.num_blocks == 0:
@@ -766,31 +793,28 @@ class KVExtension:
             self.stats["next_turn.critical.prefix_tokens"] += chain * bs
             self.stats["next_turn.critical.prefix_tokens_recomputed"] += (chain - served) * bs
         on_device = device >= chain
+        # Readiness, judged at arrival (``on_new_request``): a prefetch that lands while the request
+        # queues was not ready for it.
+        arrival = self._arrivals.pop(req.rid, None)
         ended = stall.ended_at if stall.ended_at is not None else self.now
         if chain > 0 and ended - stall.begin_at > stall.lead_s:
-            if req.rid in self._arrived_while_loading:
+            if arrival is not None and arrival.loading:
                 ready = "loading"
-            elif on_device:
+            elif arrival.device_blocks >= chain if arrival is not None else on_device:
                 ready = "prefetched" if stall.prefetched else "not_needed"
             else:
                 ready = "missed"
-                why = miss_reason(
-                    self.planner.get(stall.stall_id),
-                    room_at_arrival=self._room_at_arrival.get(req.rid),
-                    deferred=stall.deferred,
-                )
+                why = arrival.missed_why if arrival is not None else "not_asked"
                 self.stats[f"readiness.missed_why.{why}"] += 1
             self.stats["readiness.eligible"] += 1
             self.stats[f"readiness.{ready}"] += 1
-            if self._room_at_arrival.get(req.rid) is False:
+            if arrival is not None and not arrival.room:
                 self.stats["readiness.no_room"] += 1
                 self.stats[f"readiness.no_room_{ready}"] += 1
         for _sid, cls in self.planner.on_request(sid, hit_on_device=on_device, now=self.now):
             self.stats[f"prefetch.{cls}"] += 1
         self._release_stall(stall)
         del self._last_stall[sid]
-        self._arrived_while_loading.discard(req.rid)
-        self._room_at_arrival.pop(req.rid, None)
 
     def _release_stall(self, stall: _Stall) -> None:
         self.host.release(stall.stall_id)

@@ -2351,4 +2351,8 @@ def test_a_prefetch_that_lands_while_the_request_queues_was_not_ready_for_it(
     assert side.stats.counter("readiness.eligible") == 1
     assert side.stats.counter("readiness.prefetched") == 0
     assert side.stats.counter("readiness.missed") == 1
+    # Why: what the plan was when the request came (its upload was not yet started), not the
+    # state it reached while the request queued.
+    whys = {k: v for k, v in side.stats.snapshot()["counters"].items() if "missed_why" in k}
+    assert whys == {"readiness.missed_why.early_return": 1}, whys
     assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 0

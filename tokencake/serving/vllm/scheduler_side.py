@@ -236,6 +236,9 @@ class _ReqInfo:
     #: How many leading blocks of the session's last chain that this prompt repeats were cached on
     #: device when the request arrived (readiness; None: not known at arrival).
     device_blocks_at_arrival: int | None = None
+    #: Why its session's chain would be missed, from the prefetch plan as it stood at arrival
+    #: (``readiness.missed_why``; the plan moves on while the request queues).
+    missed_why_at_arrival: str | None = None
 
 
 def _finish_owner(session_id: str) -> str:
@@ -536,6 +539,13 @@ class SchedulerSide:
             info.arrived_while_loading = self._jobs.get(self._prefetching.get(meta.session_id, 0)) is not None
             info.room_at_arrival = self._room_for_chain(meta.session_id, request.request_id)
             info.device_blocks_at_arrival = self._repeated_chain_on_device(meta.session_id, request)
+            last = self._last_stall.get(meta.session_id)
+            if last is not None and not last.accounted:
+                info.missed_why_at_arrival = miss_reason(
+                    self.planner.get(last.stall_id),
+                    room_at_arrival=info.room_at_arrival,
+                    deferred=last.deferred,
+                )
         self._waiting[request.request_id] = -(-int(request.num_tokens) // self.block_size)
         self._arrival[request.request_id] = self.clock()
 
@@ -1508,7 +1518,7 @@ class SchedulerSide:
                 ready = "prefetched" if stall.prefetched else "not_needed"
             else:
                 ready = "missed"
-                why = miss_reason(
+                why = info.missed_why_at_arrival or miss_reason(
                     self.planner.get(stall.stall_id),
                     room_at_arrival=info.room_at_arrival,
                     deferred=stall.deferred,
