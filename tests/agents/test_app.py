@@ -235,3 +235,21 @@ def test_stages_that_add_up_to_more_than_a_day_are_refused_at_declaration():
     with pytest.raises(tc.AppDefinitionError, match="stages must add up to at most 86400 s"):
         app.add_tool(slow, stages={"queue": 86400, "work": 1})
     app.add_tool(slow, name="ok", stages={"queue": 86400, "work": 1}, predict_time=10.0)  # the hint wins
+
+
+def test_the_default_agent_type_is_qualified_by_the_app_so_apps_keep_their_own_forecasts():
+    """The server learns tool durations per (agent_type, tool): two apps' nodes named alike must
+    not share a key unless they say so with agent_type."""
+    one, two = tc.App("code-writer"), tc.App("deep-research")
+    a = one.add_agent(_noop, name="planner")
+    b = two.add_agent(_noop, name="planner")
+    c = two.add_agent(_noop, name="critic", agent_type="reviewer")
+    assert (a.agent_type, b.agent_type, c.agent_type) == (
+        "code-writer.planner",
+        "deep-research.planner",
+        "reviewer",
+    )
+    assert a.options()["agent_type"] == "code-writer.planner"
+    with pytest.raises(tc.AppDefinitionError, match="exceed 200 characters; set agent_type="):
+        tc.App("x" * 150).add_agent(_noop, name="y" * 60)
+    tc.App("x" * 150).add_agent(_noop, name="y" * 60, agent_type="short")

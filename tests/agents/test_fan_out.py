@@ -59,7 +59,7 @@ async def test_fan_out_runs_instances_concurrently_and_joins_their_outputs_in_or
     assert meta["graph"]["fanout_width"] == 4
     assert meta["graph"]["join_group"] == "splitter"
     assert meta["graph"]["on_critical_path"] == parent.on_critical_path
-    assert meta["agent_type"] == "summarize"
+    assert meta["agent_type"] == "fan.summarize"  # the default type is qualified by the app's name
     assert by_node["summarize[0]"]["priority"] == priority_from_graph(parent)
     assert meta["next_stall"] is None or meta["next_stall"]["tool"] == "fetch"
     # events name the parent and the template

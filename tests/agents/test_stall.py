@@ -63,7 +63,7 @@ async def test_every_tool_call_is_one_begin_end_pair_whatever_the_outcome():
     _assert_pairs(rec.events, ["good", "bad", "hang", "good"], ["ok", "error", "timeout", "ok"])
     assert rec.events == result.stall_events
     first: StallBegin = rec.events[0]
-    assert first.session_id == "mix:worker" and first.run_id == "mix" and first.agent_type == "worker"
+    assert first.session_id == "mix:worker" and first.run_id == "mix" and first.agent_type == "mixed.worker"
     assert first.kind == "search" and first.predicted_s == 0.01
     assert first.stages == {"query": 0.005, "execute": 0.005} and first.attempt == 1
     bad_end, hang_end = rec.events[3], rec.events[5]

@@ -299,9 +299,16 @@ class App:
             v = getattr(node, opt)
             if v is not None and not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 problems.append(f"{node.kind} {node.name!r}: {opt} must be a finite number >= 0")
-        if node.agent_type is not None and not (
-            isinstance(node.agent_type, str) and len(node.agent_type) <= 200
-        ):
+        if node.agent_type is None:
+            # The server learns tool durations per (agent_type, tool): qualify the default with the
+            # app's name, so two apps' same-named nodes on one server keep separate forecasts (an
+            # explicit agent_type is a deliberate, shared type).
+            node.agent_type = f"{self.name}.{node.name}"
+            if len(node.agent_type) > 200:
+                problems.append(
+                    f"{node.kind} {node.name!r}: app and node names exceed 200 characters; set agent_type="
+                )
+        elif not (isinstance(node.agent_type, str) and len(node.agent_type) <= 200):
             problems.append(f"{node.kind} {node.name!r}: agent_type must be a string of <= 200 characters")
         if node.max_tokens is not None and not (isinstance(node.max_tokens, int) and node.max_tokens > 0):
             problems.append(f"{node.kind} {node.name!r}: max_tokens must be a positive int")
