@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokencake.serving.options import Options
 from tokencake.sim.engine import Engine, Request, Session
-from tokencake.sim.extension import KVExtension
+from tokencake.sim.extension import KVExtension, _Hold, _Job
 from tokencake.sim.profiles import get_profile
 from tokencake.sim.run import SYSTEMS
 
@@ -162,3 +162,51 @@ def test_readiness_is_judged_when_the_next_request_arrives() -> None:
     assert c["next_turn.prefix_tokens_recomputed"] == 8  # evicted while it queued ...
     assert c["readiness.eligible"] == 1
     assert c["readiness.not_needed"] == 1 and c["readiness.missed"] == 0  # ... but ready at arrival
+    assert c["readiness.no_room"] == 0  # a chain whole on device needs no room (as the connector)
+
+
+def test_a_request_that_needs_the_lent_reserve_waits_and_the_next_one_is_admitted() -> None:
+    """As the connector: a non-critical request that would fit only if the critical reserve were
+    lent waits a step and the engine looks at the next request, instead of stopping admission."""
+    ext = KVExtension(Options(policy="tokencake", offload=False), host_blocks=8)
+    engine = Engine(PROFILE, device_blocks=8, extension=ext, scheduling="spatial")
+    held = engine.cache.allocate(2)  # a critical session's chain held on device (one ref each)
+    engine.cache.allocate(3)  # blocks in use: 3 free, and the big request's first chunk needs 4
+    ext._holds["c"] = _Hold("c", held, until=60.0, since=0.0, rank=1.0, kind="hold", critical=True)
+    big = Request(1, Session("x", "agent", 4), prompt_tokens=25, output_tokens=1, arrival=0.0, priority=5)
+    small = Request(2, Session("y", "agent", 4), prompt_tokens=3, output_tokens=1, arrival=0.0, priority=5)
+    engine.submit(big)
+    engine.submit(small)
+    engine.step()
+    assert big.admitted_at is None and small.admitted_at is not None
+    assert counters(engine)["spatial.reserve_denials"] >= 1
+
+
+def test_slack_is_counted_from_arrival_not_from_the_head_of_the_queue() -> None:
+    """As the connector: a request that queued past its slack could not have waited (its
+    inversions are late), however recently it reached the head of the queue."""
+    engine = engine_with()
+    assert engine.ext is not None
+    engine.running.append(Request(9, Session("r", "agent", 4), 4, 1, arrival=0.0))  # requests run
+    req = Request(1, Session("o", "agent", 4), prompt_tokens=8, output_tokens=1, arrival=0.0, priority=5)
+    engine.idle_until(6.0)
+    req.seen_at = 5.9
+    assert not engine.ext._within_slack(req)
+    req.arrival = 2.0
+    assert engine.ext._within_slack(req)
+
+
+def test_waiting_for_the_sessions_prefetch_is_bounded_from_the_copys_issue() -> None:
+    """As the connector: a request waits for its session's prefetch in flight only until
+    ``prefetch_wait_s`` after the copy was issued, however recently the request came."""
+    engine = engine_with()
+    ext = engine.ext
+    assert ext is not None
+    session = Session("a", "agent", 4)
+    ext._loading_sessions["a"] = _Job("prefetch", [], [], [], [], "job:1", issued_at=0.0)
+    req = Request(1, session, prompt_tokens=8, output_tokens=1, arrival=0.0)
+    engine.idle_until(ext.opts.prefetch_wait_s + 1.0)
+    req.seen_at = engine.now
+    assert ext.host_match(req, 0, 1) is not None  # a copy this slow is not worth waiting for
+    ext._loading_sessions["a"].issued_at = engine.now
+    assert ext.host_match(req, 0, 1) is None  # a fresh one is

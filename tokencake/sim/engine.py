@@ -276,8 +276,9 @@ class Engine:
             n = min(total - computed, budget)
             want = cdiv(computed + n, self.block_size) - len(hit)
             need = want + sum(1 for b in hit if self.cache.ref[b] == 0)
-            if self.ext is not None and need > self.cache.num_free:
-                self.ext.make_room(req, need)
+            if self.ext is not None and need > self.cache.num_free and self.ext.make_room(req, need):
+                skipped.append(self._dequeue())  # it would fit only with the critical reserve lent
+                continue
             if need > self.cache.num_free:
                 break
             if self.ext is not None and self.ext.spare_critical_chains(req, need, hit):

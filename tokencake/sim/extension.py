@@ -81,6 +81,7 @@ class _Job:
     done_at: float = math.inf
     stall: _Stall | None = None
     session_id: str = ""
+    issued_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,7 @@ class KVExtension:
         self, kind: str, keys: list, positions: list[int], blocks: list[int], slots: list[int], **kw: Any
     ) -> _Job:
         self._next_job += 1
-        job = _Job(kind, keys, positions, blocks, slots, f"job:{self._next_job}", **kw)
+        job = _Job(kind, keys, positions, blocks, slots, f"job:{self._next_job}", issued_at=self.now, **kw)
         t = self.profile.copy_s("d2h" if kind == "offload" else "h2d", len(blocks))
         self.stats[f"{kind}.blocks"] += len(blocks)
         self.stats[f"{kind}.jobs"] += 1
@@ -528,9 +529,12 @@ class KVExtension:
             self.opts.prefetch_reserve_blocks, int(self.opts.prefetch_reserve_frac * self.cache.num_blocks)
         )
 
-    def make_room(self, req: Request, need: int) -> None:
+    def make_room(self, req: Request, need: int) -> bool:
+        """The connector's ``_make_room`` for holds: release the ones the request needs the blocks
+        of. True: it would fit only if the critical reserve were lent, so it waits a step and the
+        engine looks at the next request (the connector's ``spatial.reserve_denials``)."""
         if not self._holds:
-            return
+            return False
         own = req.session.session_id
         protect = self._protected(req)
         releasable = sum(
@@ -538,11 +542,20 @@ class KVExtension:
             for h in self._holds.values()
             if h.session_id != own and h.session_id not in protect
         )
-        if self.cache.num_free + releasable < need:
-            if protect:
-                self.stats["spatial.reserve_denials"] += 1
-            return
-        self._release_holds_until(lambda: self.cache.num_free >= need, "room", spare=own, protect=protect)
+        if self.cache.num_free + releasable >= need:
+            self._release_holds_until(lambda: self.cache.num_free >= need, "room", spare=own, protect=protect)
+            return False
+        if protect and self.cache.num_free + releasable + self._protected_blocks(protect) >= need:
+            self.stats["spatial.reserve_denials"] += 1
+            return True
+        return False
+
+    def _protected_blocks(self, protect: frozenset[str] | set[str]) -> int:
+        return sum(
+            sum(self.cache.ref[b] == 1 for b in h.blocks)
+            for h in self._holds.values()
+            if h.session_id in protect
+        )
 
     # ------------------------------------------------------------------ critical inversions
     def _watch(self, session_id: str, keys: tuple[bytes, ...], until: float) -> None:
@@ -618,11 +631,10 @@ class KVExtension:
         has waited less than its slack and ``critical_reserve_wait_s``, while requests run, could
         still wait without delaying its app."""
         assert self.engine is not None
-        seen = req.seen_at if req.seen_at is not None else self.now
         return (
             bool(self.engine.running)
             and req.admitted_at is None
-            and self.now - seen < min(float(req.priority), self.opts.critical_reserve_wait_s)
+            and self.now - req.arrival < min(float(req.priority), self.opts.critical_reserve_wait_s)
         )
 
     def _eviction_window(self, wanted: Any, need: int, skip: set[Any] | None = None) -> list[Any]:
@@ -716,7 +728,9 @@ class KVExtension:
         sid = req.session.session_id
         job = self._loading_sessions.get(sid)
         if job is not None:
-            if req.seen_at is not None and self.now - req.seen_at < self.opts.prefetch_wait_s:
+            if (
+                self.now - job.issued_at < self.opts.prefetch_wait_s
+            ):  # as the connector: from the copy's issue
                 return None
         if not self.opts.demand_load or not self.policy.demand_load or self.host.num_blocks == 0:
             return []
@@ -765,6 +779,8 @@ class KVExtension:
                 missing += 1
             else:
                 own_idle += self.cache.ref[b] == 0
+        if missing == 0:  # a chain still whole on device needs no room
+            return True
         queued = self.engine.waiting_blocks(exclude=req)
         room = self.cache.num_free - own_idle - max(self._reserve(), queued)
         if room >= missing:
