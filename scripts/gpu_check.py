@@ -39,6 +39,19 @@ def load_copy_module() -> Any:
         return mod
 
 
+def cuda_torch(script: str) -> Any:
+    """torch, if it is installed and sees a CUDA device; else None (said in one line)."""
+    try:
+        import torch
+    except ImportError:
+        print(f"{script}: torch is not installed; nothing to measure.")
+        return None
+    if not torch.cuda.is_available():
+        print(f"{script}: no CUDA device visible (torch.cuda.is_available() is False); nothing to measure.")
+        return None
+    return torch
+
+
 def peak(torch: Any, nbytes: int, reps: int) -> dict[str, float]:
     """GB/s of one contiguous pinned-host <-> device copy of ``nbytes`` (best of ``reps``)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -77,13 +90,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = ap.parse_args()
-    try:
-        import torch
-    except ImportError:
-        print("gpu_check: torch is not installed; nothing to measure.")
-        return 0
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); nothing to measure.")
+    torch = cuda_torch("gpu_check")
+    if torch is None:
         return 0
     cp = load_copy_module()
     reps = 2 if args.quick else 5

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import load_copy_module
+from gpu_check import cuda_torch, load_copy_module
 
 #: Llama-3-8B bf16 KV: 32 layers, 8 KV heads, head dim 128, 16-token blocks (2 MiB per block).
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
@@ -67,13 +67,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=1024, help="blocks per copy (2 MiB each)")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    try:
-        import torch
-    except ImportError:
-        print("gpu_overlap: torch is not installed; nothing to measure.")
-        return 0
-    if not torch.cuda.is_available():
-        print("gpu_overlap: no CUDA device visible; nothing to measure.")
+    torch = cuda_torch("gpu_overlap")
+    if torch is None:
         return 0
     cp = load_copy_module()
     n = args.blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokencake.serving.options import Options
 from tokencake.sim.engine import Engine, Request, Session
-from tokencake.sim.extension import KVExtension, _Hold, _Job
+from tokencake.sim.extension import KVExtension, _Arrival, _Hold, _Job
 from tokencake.sim.profiles import get_profile
 from tokencake.sim.run import SYSTEMS
 
@@ -210,3 +210,30 @@ def test_waiting_for_the_sessions_prefetch_is_bounded_from_the_copys_issue() -> 
     assert ext.host_match(req, 0, 1) is not None  # a copy this slow is not worth waiting for
     ext._loading_sessions["a"].issued_at = engine.now
     assert ext.host_match(req, 0, 1) is None  # a fresh one is
+
+
+def test_a_prefetch_does_not_queue_behind_a_save_on_a_gpu() -> None:
+    """As the connector's copy lanes (measured on an H200: D2H and H2D run at once): on a GPU
+    profile a prefetch issued while a save is copying starts at once, and saves queue behind
+    saves."""
+    gpu = get_profile("h200-llama3-8b")
+    ext = KVExtension(Options(policy="tokencake"), host_blocks=64)
+    Engine(gpu, device_blocks=64, extension=ext)
+    save = ext._new_job("offload", [], [], list(range(32)), list(range(32)))
+    prefetch = ext._new_job("prefetch", [], [], list(range(32, 40)), list(range(32, 40)))
+    second_save = ext._new_job("offload", [], [], list(range(40, 44)), list(range(40, 44)))
+    assert prefetch.done_at == ext.now + gpu.copy_s("h2d", 8)
+    assert save.done_at == ext.now + gpu.copy_s("d2h", 32)
+    assert second_save.done_at == save.done_at + gpu.copy_s("d2h", 4)
+
+
+def test_a_finished_request_leaves_no_arrival_record() -> None:
+    engine = engine_with()
+    ext = engine.ext
+    assert ext is not None
+    session = Session("a", "agent", 4)
+    req = Request(1, session, prompt_tokens=8, output_tokens=1, arrival=0.0)
+    ext._arrivals[req.rid] = _Arrival(room=True, loading=False, device_blocks=0, missed_why="")
+    engine.submit(req)
+    run(engine)
+    assert req.rid not in ext._arrivals

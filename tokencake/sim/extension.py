@@ -20,7 +20,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -159,7 +159,10 @@ class KVExtension:
         # Insertion-ordered (dicts, not sets): the simulation must not depend on object addresses.
         self._demoted: dict[_Stall, None] = {}
         self._pending_copy_s = 0.0
-        self._stream_free_at = 0.0
+        #: When each side stream is next free: saves (D2H) and prefetches (H2D) have their own, as
+        #: the connector's copy lanes do (measured on an H200: each direction keeps ~90 % of its
+        #: bandwidth while the other runs; ``docs/simulation.md`` §4).
+        self._stream_free_at = {"d2h": 0.0, "h2d": 0.0}
         self._next_job = 0
         self._loading_sessions: dict[str, _Job] = {}
         #: A session's next turn -> how its chain stood when the request arrived (readiness).
@@ -271,15 +274,16 @@ class KVExtension:
     ) -> _Job:
         self._next_job += 1
         job = _Job(kind, keys, positions, blocks, slots, f"job:{self._next_job}", issued_at=self.now, **kw)
-        t = self.profile.copy_s("d2h" if kind == "offload" else "h2d", len(blocks))
+        direction = "d2h" if kind == "offload" else "h2d"
+        t = self.profile.copy_s(direction, len(blocks))
         self.stats[f"{kind}.blocks"] += len(blocks)
         self.stats[f"{kind}.jobs"] += 1
         if kind == "load" or not self.profile.copies_async:
             self._pending_copy_s += t  # inside the step: same cores (CPU) or a demand load
             job.done_at = -math.inf  # completes at the end of the step it ships with
         else:
-            start = max(self._stream_free_at, self.now)
-            self._stream_free_at = job.done_at = start + t
+            start = max(self._stream_free_at[direction], self.now)
+            self._stream_free_at[direction] = job.done_at = start + t
         self._jobs.append(job)
         return job
 
@@ -537,25 +541,20 @@ class KVExtension:
             return False
         own = req.session.session_id
         protect = self._protected(req)
-        releasable = sum(
-            sum(self.cache.ref[b] == 1 for b in h.blocks)
-            for h in self._holds.values()
-            if h.session_id != own and h.session_id not in protect
-        )
+        releasable = self._held_blocks(lambda sid: sid != own and sid not in protect)
         if self.cache.num_free + releasable >= need:
             self._release_holds_until(lambda: self.cache.num_free >= need, "room", spare=own, protect=protect)
             return False
-        if protect and self.cache.num_free + releasable + self._protected_blocks(protect) >= need:
+        if protect and self.cache.num_free + releasable + self._held_blocks(protect.__contains__) >= need:
             self.stats["spatial.reserve_denials"] += 1
             return True
         return False
 
-    def _protected_blocks(self, protect: frozenset[str] | set[str]) -> int:
-        return sum(
-            sum(self.cache.ref[b] == 1 for b in h.blocks)
-            for h in self._holds.values()
-            if h.session_id in protect
-        )
+    def _held_blocks(self, of: Callable[[str], bool]) -> int:
+        """Blocks that releasing the holds of the sessions ``of`` accepts would free (nothing
+        else references them)."""
+        ref = self.cache.ref
+        return sum(sum(ref[b] == 1 for b in h.blocks) for h in self._holds.values() if of(h.session_id))
 
     # ------------------------------------------------------------------ critical inversions
     def _watch(self, session_id: str, keys: tuple[bytes, ...], until: float) -> None:
@@ -727,11 +726,9 @@ class KVExtension:
     def host_match(self, req: Request, first: int, limit: int) -> list[int] | None:
         sid = req.session.session_id
         job = self._loading_sessions.get(sid)
-        if job is not None:
-            if (
-                self.now - job.issued_at < self.opts.prefetch_wait_s
-            ):  # as the connector: from the copy's issue
-                return None
+        # As the connector: wait for the session's own prefetch, bounded from the copy's issue.
+        if job is not None and self.now - job.issued_at < self.opts.prefetch_wait_s:
+            return None
         if not self.opts.demand_load or not self.policy.demand_load or self.host.num_blocks == 0:
             return []
         found = []
@@ -785,10 +782,7 @@ class KVExtension:
         room = self.cache.num_free - own_idle - max(self._reserve(), queued)
         if room >= missing:
             return True
-        yieldable = sum(
-            sum(self.cache.ref[b] == 1 for b in h.blocks) for h in self._holds.values() if h.session_id != sid
-        )
-        return room + yieldable >= missing
+        return room + self._held_blocks(lambda other: other != sid) >= missing
 
     def _account_next_turn(self, req: Request, local_blocks: int, host_blocks: int) -> None:
         sid = req.session.session_id
@@ -839,6 +833,7 @@ class KVExtension:
     def on_finished(self, req: Request) -> None:
         """A request finished (its blocks are still held): ask the policy, as ``request_finished`` does."""
         session = req.session
+        self._arrivals.pop(req.rid, None)  # judged at admission; a request never admitted leaves none
         full = min(req.num_computed, req.prompt_tokens + req.output_tokens) // self.block_size
         keys = session.keys(min(full, len(req.blocks)))
         self._chains[session.session_id] = keys

@@ -4,7 +4,8 @@ A step's time is ``step_s + prefill_s_per_token × new tokens + attn_s_per_token
 × their context) + decode_s_per_seq × decoding sequences + decode_s_per_ctx_token × their
 context``. Copies run at ``*_bytes_per_s`` plus ``copy_base_s`` per job; on the CPU backend they
 take the same cores as the forward (``copies_async=False``: a step that copies lasts longer), on a
-GPU they run on a side stream (``copies_async=True``) and only a *demand* load delays its step.
+GPU saves and prefetches each run on a side stream of their own (``copies_async=True``; measured
+beside compute by ``scripts/gpu_overlap.py``) and only a *demand* load delays its step.
 
 ``cpu-measured`` was fitted on this project's 2-core machine (vLLM-CPU, SmolLM2-135M, float32,
 128-token blocks): ``step_s``, ``prefill_s_per_token`` and ``attn_s_per_token_ctx`` by a grid

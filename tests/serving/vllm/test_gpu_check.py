@@ -1,4 +1,5 @@
-"""``scripts/gpu_check.sh`` must exit cleanly, with a message, where there is no CUDA device."""
+"""``scripts/gpu_check.sh`` and ``scripts/gpu_overlap.py`` must exit cleanly, with a message,
+where there is no CUDA device."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would measure")
-def test_gpu_check_without_cuda_says_so_and_exits_0() -> None:
+@pytest.mark.parametrize(
+    "command",
+    [[str(ROOT / "scripts" / "gpu_check.sh")], [sys.executable, str(ROOT / "scripts" / "gpu_overlap.py")]],
+    ids=["check", "overlap"],
+)
+def test_gpu_scripts_without_cuda_say_so_and_exit_0(command: list[str]) -> None:
     proc = subprocess.run(
-        [str(ROOT / "scripts" / "gpu_check.sh")],
+        command,
         capture_output=True,
         text=True,
         timeout=120,

@@ -315,6 +315,94 @@ def test_blocks_a_failed_load_left_are_not_offloaded_until_recomputed(pool: Bloc
     assert offload.kind == "offload" and set(offload.device_blocks) <= bad
 
 
+def load_and_stall_on_the_same_chain(
+    side: SchedulerSide, pool: BlockPool, shared: list[bytes], own: list[bytes], admitted: int
+) -> tuple[Any, list[Any], Any, Any]:
+    """Session A's last turn ran on ``shared + own`` (evicted since; ``shared`` saved on host).
+    Request B of session B, on the same tokens, demand-loads ``shared`` and has ``admitted``
+    blocks from block 0 allocated (hashed) at admission; A's tool call begins the same step.
+    Returns B, its blocks, and the step's load and offload jobs."""
+    finish_turn(side, pool, [*shared, *own], req_id="ra", session="run:A")
+    evict_all(pool)
+    put_on_host(side, shared)
+    req = request("rb", [*shared, *own], (len(shared) + len(own)) * BS + 2, session="run:B")
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == len(shared) * BS
+    blocks = cache_blocks(pool, [*shared, *own][:admitted])
+    side.update_state_after_alloc(req, [b.block_id for b in blocks], len(shared) * BS)
+    side.handle_event(begin(session="run:A"))
+    jobs = {j.kind: j for j in side.build_meta().jobs}
+    return req, blocks, jobs["load"], jobs.get("offload")
+
+
+@pytest.mark.parametrize("offload_reported_first", [False, True])
+def test_a_save_computed_from_a_failed_load_is_not_committed(
+    pool: BlockPool, clock: Clock, offload_reported_first: bool
+) -> None:
+    """B's step loads the shared prefix and computes the next block from it; A's save of that
+    block, planned the same step, copies it after the forward. When the load is reported
+    failed, the block holds KV computed from bad KV under a valid hash: the save, confirmed in
+    the same report (in either order), must not be committed — it would be served to every
+    request with that prefix."""
+    side = make_side(pool, clock, prefetch=False)
+    shared, own = chain("p", 3), chain("b", 1)
+    req, blocks, load, offload = load_and_stall_on_the_same_chain(side, pool, shared, own, admitted=4)
+    assert offload is not None and offload.device_blocks == [blocks[3].block_id]
+    results = {load.job_id: JobResult(False, 0.001, 0), offload.job_id: JobResult(True, 0.001, 0)}
+    if offload_reported_first:
+        results = dict(reversed(results.items()))
+    side.on_worker_meta(TokenCakeWorkerMeta(results))
+    assert side.host.lookup(own[0]) is None
+    assert side.stats.counter("offload.suspect_dropped") == 1
+    req.num_computed_tokens = 4 * BS + 2
+    side.request_finished(req)
+    bp.release(pool, blocks)
+    assert_no_pins(pool)
+
+
+def test_a_later_chunk_computed_before_a_load_failure_was_known_is_not_committed(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """With async scheduling the next prefill chunk is scheduled (its blocks hashed) before the
+    failed load's report arrives. Those blocks were not allocated at admission, so the
+    request's own block hashes find them: a save of them is not committed either."""
+    side = make_side(pool, clock, prefetch=False)
+    shared, own = chain("p", 3), chain("b", 2)
+    req, blocks, load, offload = load_and_stall_on_the_same_chain(side, pool, shared, own, admitted=4)
+    assert offload is not None
+    chunk = cache_blocks(pool, own[1:])  # the next chunk, scheduled before the load's report
+    side.handle_event(end(session="run:A"))
+    side.handle_event(begin("s2", session="run:A"))
+    second = [j for j in side.build_meta().jobs if j.kind == "offload"]
+    assert [j.device_blocks for j in second] == [[chunk[0].block_id]]
+    # The first step's report (the load failed), then the next step's (its save copied fine).
+    results = {load.job_id: JobResult(False, 0.001, 0), offload.job_id: JobResult(True, 0.001, 0)}
+    side.on_worker_meta(TokenCakeWorkerMeta(results))
+    answer(side, TokenCakeMetadata(second))
+    assert side.host.lookup(own[0]) is None and side.host.lookup(own[1]) is None
+    req.num_computed_tokens = 5 * BS + 2
+    side.request_finished(req)
+    assert side._suspect == {}
+    bp.release(pool, [*blocks, *chunk])
+    assert_no_pins(pool)
+
+
+def test_a_failed_load_plan_marks_its_blocks_as_a_failed_load_does(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch=False)
+    shared, own = chain("p", 3), chain("b", 1)
+    put_on_host(side, shared)
+    req = request("rb", [*shared, *own], 4 * BS + 2, session="run:B")
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == 3 * BS
+    blocks = cache_blocks(pool, [*shared, *own])
+    side.fail_load(req, [b.block_id for b in blocks], 3 * BS)
+    (job,) = side.build_meta().jobs
+    assert job.kind == "load" and job.invalid
+    assert set(side._suspect) == {b.block_id for b in blocks}
+    bp.release(pool, blocks)
+    assert_no_pins(pool)
+
+
 def test_provenance_traces_failed_copies(pool: BlockPool, clock: Clock) -> None:
     """A failed offload is reported with the session's next request, a failed load with its own."""
     side = make_side(pool, clock, prefetch=False)

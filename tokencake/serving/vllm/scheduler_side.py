@@ -43,7 +43,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -1588,6 +1588,10 @@ class SchedulerSide:
         n = -(-num_external_tokens // self.block_size)
         ids = block_ids[first : first + n] if block_ids else []
         self.stats.inc("demand_load.plan_failed")
+        try:  # as a failed load: what vLLM computes from these blocks is not to be saved
+            self._mark_suspect(request.request_id, first, list(block_ids[first:]) if block_ids else [])
+        except Exception:
+            log.exception("TokenCake: marking the blocks of a failed load plan failed")
         self._outbox.append(CopyJob(0, "load", list(ids), [], request.request_id, invalid=True))
 
     def release_device_holds(self) -> int:
@@ -2206,7 +2210,10 @@ class SchedulerSide:
             return
         if meta.disabled and self.copies_disabled is None:
             self._disable_copies(meta.disabled)
-        for job_id, res in meta.results.items():
+        # Loads first: a failed one marks the blocks computed from it (``_mark_suspect``) before
+        # an offload of them that the same report confirms is committed.
+        results = sorted(meta.results.items(), key=lambda item: self._kind_of(item[0]) != "load")
+        for job_id, res in results:
             job = self._jobs.get(job_id)
             if job is None:
                 continue
@@ -2227,6 +2234,10 @@ class SchedulerSide:
                 log.exception("TokenCake: completing job %d failed", job_id)
                 self._jobs.pop(job_id, None)
                 self._release(job)
+
+    def _kind_of(self, job_id: int) -> str | None:
+        job = self._jobs.get(job_id)
+        return job.kind if job is not None else None
 
     def _complete(self, job: _Job, *, ok: bool, seconds: float, error: str | None) -> None:
         self._jobs.pop(job.job_id, None)
@@ -2277,8 +2288,10 @@ class SchedulerSide:
         for h, block, slot in zip(job.hashes, job.device_blocks, job.slots, strict=True):
             if self._filling.get(h) == job.job_id:
                 del self._filling[h]
-            # The device block was pinned the whole time, so it must still hold this hash.
-            if ok and bp.has_hash(block, h):
+            # The device block was pinned the whole time, so it must still hold this hash; and a
+            # demand load that failed meanwhile may have left its KV computed from bad KV.
+            suspect = bool(self._suspect) and self._is_suspect(block)
+            if ok and bp.has_hash(block, h) and not suspect:
                 used = self.host.commit(h, slot)
                 if stall is not None and stall.offloaded:
                     self.host.pin(used, stall_owner(stall.stall_id))
@@ -2290,7 +2303,7 @@ class SchedulerSide:
                     self._finish_pins[job.session_id] = self.clock() + self.opts.keep_after_end_s
             else:
                 if ok:
-                    self.stats.inc("offload.hash_mismatch")
+                    self.stats.inc("offload.suspect_dropped" if suspect else "offload.hash_mismatch")
                 self.host.invalidate(slot)
 
     def _after_offload(self, job: _Job) -> None:
@@ -2361,17 +2374,34 @@ class SchedulerSide:
             # The host copy may be bad: drop it so nobody loads it again (vLLM recomputes).
             for h in job.hashes:
                 self.host.drop(h)
-            # vLLM keeps the hashes of the failed blocks, and of those this step computed from
-            # them, until the request recomputes them: no offload may copy them meanwhile.
             first, ids = job.downstream
-            if self.pool is not None:
-                for pos, bid in enumerate(ids, start=first):
-                    key = self.pool.blocks[bid].block_hash
-                    if key is not None:
-                        self._suspect[bid] = (key, job.req_id or "", pos)
-            if len(self._suspect) > MAX_SUSPECT_BLOCKS and self.pool is not None:
-                for bid in list(self._suspect):  # drop the entries of blocks reused since
-                    self._is_suspect(self.pool.blocks[bid])
+            self._mark_suspect(job.req_id or "", first, ids)
+
+    def _mark_suspect(self, req_id: str, first: int, block_ids: Sequence[int]) -> None:
+        """A demand load of ``req_id`` failed from position ``first``: vLLM keeps the hashes of
+        the failed blocks, and of those computed from them, until the request recomputes them, so
+        no offload may copy them meanwhile (nor commit a copy already made: ``_complete_offload``).
+
+        ``block_ids``: the request's blocks from ``first`` on, as allocated at admission. A later
+        prefill chunk's blocks (scheduled before the failure was known, with async scheduling)
+        are found by the request's own block hashes; a block another request cached under such a
+        hash is marked too (conservative: it is only saved later).
+        """
+        if self.pool is None:
+            return
+        for pos, bid in enumerate(block_ids, start=first):
+            key = self.pool.blocks[bid].block_hash
+            if key is not None:
+                self._suspect[bid] = (key, req_id, pos)
+        request = self._admitted.get(req_id)
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        for pos in range(first + len(block_ids), len(hashes)):
+            block = bp.cached_block(self.pool, bytes(hashes[pos]))
+            if block is not None and block.block_hash is not None:
+                self._suspect[block.block_id] = (block.block_hash, req_id, pos)
+        if len(self._suspect) > MAX_SUSPECT_BLOCKS:
+            for bid in list(self._suspect):  # drop the entries of blocks reused since
+                self._is_suspect(self.pool.blocks[bid])
 
     def _release(self, job: _Job) -> None:
         """Drop every pin the job holds (device refs and host slot pins), exactly once."""
