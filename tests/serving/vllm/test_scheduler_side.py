@@ -281,6 +281,18 @@ def test_demand_load_counts_host_hits_past_device_prefix(pool: BlockPool, clock:
     }
 
 
+def b_matches_the_shared_prefix_on_host(
+    side: SchedulerSide, pool: BlockPool, shared: list[bytes], own: list[bytes], admitted: int
+) -> tuple[Any, list[Any]]:
+    """``shared`` saved on host; request B of session B on ``shared + own`` finds it there and
+    vLLM allocates (and hashes) ``admitted`` blocks from block 0. Returns B and those blocks."""
+    put_on_host(side, shared)
+    req = request("rb", [*shared, *own], (len(shared) + len(own)) * BS + 2, session="run:B")
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == len(shared) * BS
+    return req, cache_blocks(pool, [*shared, *own][:admitted])  # allocate_slots hashes them this step
+
+
 def test_blocks_a_failed_load_left_are_not_offloaded_until_recomputed(pool: BlockPool, clock: Clock) -> None:
     """vLLM's recompute policy keeps the hashes of blocks whose load failed — and of the blocks the
     same step computed from them — until their request recomputes them. A stall of another
@@ -288,11 +300,7 @@ def test_blocks_a_failed_load_left_are_not_offloaded_until_recomputed(pool: Bloc
     committed and served to every request with the prefix)."""
     side = make_side(pool, clock, prefetch=False)
     shared, own = chain("p", 3), chain("b", 1)
-    put_on_host(side, shared)
-    req = request("rb", [*shared, *own], 4 * BS + 2, session="run:B")
-    side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == 3 * BS
-    blocks = cache_blocks(pool, [*shared, *own])  # allocate_slots hashes all four this step
+    req, blocks = b_matches_the_shared_prefix_on_host(side, pool, shared, own, admitted=4)
     side.update_state_after_alloc(req, [b.block_id for b in blocks], 3 * BS)
     (load,) = side.build_meta().jobs
     answer(side, TokenCakeMetadata([load]), ok=False)  # the load failed: vLLM will recompute
@@ -318,17 +326,12 @@ def test_blocks_a_failed_load_left_are_not_offloaded_until_recomputed(pool: Bloc
 def load_and_stall_on_the_same_chain(
     side: SchedulerSide, pool: BlockPool, shared: list[bytes], own: list[bytes], admitted: int
 ) -> tuple[Any, list[Any], Any, Any]:
-    """Session A's last turn ran on ``shared + own`` (evicted since; ``shared`` saved on host).
-    Request B of session B, on the same tokens, demand-loads ``shared`` and has ``admitted``
-    blocks from block 0 allocated (hashed) at admission; A's tool call begins the same step.
+    """Session A's last turn ran on ``shared + own`` (evicted since); B demand-loads ``shared``
+    (``b_matches_the_shared_prefix_on_host``) and A's tool call begins the same step.
     Returns B, its blocks, and the step's load and offload jobs."""
     finish_turn(side, pool, [*shared, *own], req_id="ra", session="run:A")
     evict_all(pool)
-    put_on_host(side, shared)
-    req = request("rb", [*shared, *own], (len(shared) + len(own)) * BS + 2, session="run:B")
-    side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == len(shared) * BS
-    blocks = cache_blocks(pool, [*shared, *own][:admitted])
+    req, blocks = b_matches_the_shared_prefix_on_host(side, pool, shared, own, admitted)
     side.update_state_after_alloc(req, [b.block_id for b in blocks], len(shared) * BS)
     side.handle_event(begin(session="run:A"))
     jobs = {j.kind: j for j in side.build_meta().jobs}
@@ -390,11 +393,7 @@ def test_a_later_chunk_computed_before_a_load_failure_was_known_is_not_committed
 def test_a_failed_load_plan_marks_its_blocks_as_a_failed_load_does(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch=False)
     shared, own = chain("p", 3), chain("b", 1)
-    put_on_host(side, shared)
-    req = request("rb", [*shared, *own], 4 * BS + 2, session="run:B")
-    side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == 3 * BS
-    blocks = cache_blocks(pool, [*shared, *own])
+    req, blocks = b_matches_the_shared_prefix_on_host(side, pool, shared, own, admitted=4)
     side.fail_load(req, [b.block_id for b in blocks], 3 * BS)
     (job,) = side.build_meta().jobs
     assert job.kind == "load" and job.invalid
