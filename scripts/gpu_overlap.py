@@ -52,7 +52,7 @@ def submit(copier: Any, direction: str, n: int, num_dev: int) -> list[Any]:
     return handles
 
 
-def copy_gbps(handles: list[Any], block_bytes: int) -> float:
+def copy_gbps(handles: list[Any]) -> float:
     """Bytes moved over the span of the copies (first start to last end), GB/s."""
     for h in handles:
         h.wait()
@@ -96,14 +96,12 @@ def main() -> int:
         for fn, _w, _u in kernels.values():
             fn()
         for d in ("d2h", "h2d"):
-            copy_gbps(submit(copier, d, n, num_dev), copier.block_bytes)
+            copy_gbps(submit(copier, d, n, num_dev))
     torch.cuda.synchronize()
 
     rows: list[dict[str, Any]] = []
     for direction in ("d2h", "h2d", "both"):
-        alone = [
-            copy_gbps(submit(copier, direction, n, num_dev), copier.block_bytes) for _ in range(args.reps)
-        ]
+        alone = [copy_gbps(submit(copier, direction, n, num_dev)) for _ in range(args.reps)]
         copy_alone = statistics.median(alone)
         copy_s = (n * copier.block_bytes * (2 if direction == "both" else 1)) / (copy_alone * 1e9)
         for name, (fn, work, unit) in kernels.items():
@@ -120,7 +118,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 handles = submit(copier, direction, n, num_dev)  # waits for an idle compute stream
                 comp_with.append(timed(torch, loop))
-                gbps_with.append(copy_gbps(handles, copier.block_bytes))
+                gbps_with.append(copy_gbps(handles))
             t_alone, t_with = statistics.median(comp_alone), statistics.median(comp_with)
             g_with = statistics.median(gbps_with)
             overlap_s = min(copy_s * copy_alone / g_with, t_with)

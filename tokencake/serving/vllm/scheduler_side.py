@@ -1588,11 +1588,9 @@ class SchedulerSide:
         n = -(-num_external_tokens // self.block_size)
         ids = block_ids[first : first + n] if block_ids else []
         self.stats.inc("demand_load.plan_failed")
-        try:  # as a failed load: what vLLM computes from these blocks is not to be saved
-            self._mark_suspect(request.request_id, first, list(block_ids[first:]) if block_ids else [])
-        except Exception:
-            log.exception("TokenCake: marking the blocks of a failed load plan failed")
         self._outbox.append(CopyJob(0, "load", list(ids), [], request.request_id, invalid=True))
+        # As a failed load: what vLLM computes from these blocks is not to be saved.
+        self._mark_suspect(request.request_id, first, block_ids[first:])
 
     def release_device_holds(self) -> int:
         """vLLM is about to reset its prefix cache, which fails while any device block is in use:
@@ -2212,7 +2210,9 @@ class SchedulerSide:
             self._disable_copies(meta.disabled)
         # Loads first: a failed one marks the blocks computed from it (``_mark_suspect``) before
         # an offload of them that the same report confirms is committed.
-        results = sorted(meta.results.items(), key=lambda item: self._kind_of(item[0]) != "load")
+        results = sorted(
+            meta.results.items(), key=lambda item: getattr(self._jobs.get(item[0]), "kind", "") != "load"
+        )
         for job_id, res in results:
             job = self._jobs.get(job_id)
             if job is None:
@@ -2234,10 +2234,6 @@ class SchedulerSide:
                 log.exception("TokenCake: completing job %d failed", job_id)
                 self._jobs.pop(job_id, None)
                 self._release(job)
-
-    def _kind_of(self, job_id: int) -> str | None:
-        job = self._jobs.get(job_id)
-        return job.kind if job is not None else None
 
     def _complete(self, job: _Job, *, ok: bool, seconds: float, error: str | None) -> None:
         self._jobs.pop(job.job_id, None)
