@@ -120,6 +120,16 @@ def test_hit_on_device_false_marks_wasted(planner: PrefetchPlanner, clock: Clock
     assert planner.on_request("sess", hit_on_device=False) == [("st", "wasted")]
 
 
+def test_an_upload_of_the_chain_head_only_is_not_wasted(planner: PrefetchPlanner, clock: Clock) -> None:
+    # The budget had room for the head: the request hit it on device and loaded the rest.
+    planner.begin("st", "sess", predicted_s=1.0, h2d_s=0.0)
+    clock.t += 1.0
+    planner.mark_started("st")
+    planner.mark_done("st")
+    assert planner.on_request("sess", hit_on_device=False, partial=True) == [("st", "head_only")]
+    assert planner.stats()["head_only"] == 1 and planner.stats()["wasted"] == 0
+
+
 def test_eviction_while_running_reprefetches_then_waits_for_end(
     planner: PrefetchPlanner, clock: Clock
 ) -> None:

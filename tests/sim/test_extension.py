@@ -237,3 +237,32 @@ def test_a_finished_request_leaves_no_arrival_record() -> None:
     engine.submit(req)
     run(engine)
     assert req.rid not in ext._arrivals
+
+
+def test_a_partial_prefetch_is_topped_up_once_room_frees() -> None:
+    """As the connector: an upload the budget cut to the chain's head brings the rest once the
+    queue's demand leaves room, while the tool still runs (not only at its end)."""
+    opts = Options(policy="tokencake", usage_threshold=0.0, prefetch_reserve_frac=0.0)
+    ext = KVExtension(opts, host_blocks=8)
+    engine = Engine(PROFILE, device_blocks=8, extension=ext, scheduling="fcfs")
+    a = Session("a", "agent", 4)
+    engine.submit(Request(0, a, prompt_tokens=13, output_tokens=1, arrival=0.0, next_tool=("t", 20.0)))
+    run(engine)
+    ext.stall_begin(a, "st1", "t", 20.0)
+    engine.idle_until(engine.now + 0.5)
+    keys = a.keys(3)
+    assert all(ext.host.lookup(k) is not None for k in keys)  # saved
+    engine.cache.release(engine.cache.allocate(engine.cache.num_free))  # ... and evicted
+    assert not any(k in engine.cache.by_key for k in keys)
+    engine._wb = 6  # queued requests need 6 of the 8 free blocks: room for the head only
+    engine.idle_until(engine.now + 15.0)  # past the due time, the tool still runs
+    engine.idle_until(engine.now + 0.5)  # the head's copy lands
+    assert [k in engine.cache.by_key for k in keys] == [True, True, False]
+    assert counters(engine)["prefetch.partial"] == 1
+    assert counters(engine)["prefetch.evicted_before_use"] == 0  # not mistaken for an eviction
+    engine._wb = 0  # the queue was admitted
+    engine.idle_until(engine.now + 0.1)
+    engine.idle_until(engine.now + 0.5)
+    assert all(k in engine.cache.by_key for k in keys)
+    assert counters(engine)["prefetch.topups"] == 1
+    assert len(ext._holds["a"].blocks) == 3

@@ -356,8 +356,8 @@ def extension_summary(
         return d.get(f"counters.{name}", zero)
 
     on_time, late, wasted = c("prefetch.on_time"), c("prefetch.late"), c("prefetch.wasted")
-    superseded = c("prefetch.superseded_by_request")
-    judged = sum(x or 0.0 for x in (on_time, late, wasted, superseded))
+    superseded, partial = c("prefetch.superseded_by_request"), c("prefetch.head_only")
+    judged = sum(x or 0.0 for x in (on_time, late, wasted, superseded, partial))
     prefix, recomputed = c("next_turn.prefix_tokens"), c("next_turn.prefix_tokens_recomputed")
     eligible, prefetched = c("readiness.eligible"), c("readiness.prefetched")
     not_needed, loading = c("readiness.not_needed"), c("readiness.loading")
@@ -375,9 +375,11 @@ def extension_summary(
         "prefetch_late": late,
         "prefetch_wasted": wasted,
         "prefetch_superseded": superseded,
+        "prefetch_head_only": partial,
         # Of the offloaded stalls whose next turn came, the share whose KV a prefetch had already put
         # back on device (late = copy still running, wasted = evicted again, superseded = the request
-        # came before the prefetch started, so demand load served it).
+        # came before the prefetch started, so demand load served it; head only = the budget had
+        # room for the chain's head only, and demand load brought the rest).
         "prefetch_on_time_rate": (on_time / judged) if on_time is not None and judged > 0 else None,
         "demand_loads": c("demand_load.requests"),
         "demand_load_blocks": c("demand_load.blocks"),

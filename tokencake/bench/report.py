@@ -157,6 +157,7 @@ _TABLE_ROWS: tuple[tuple[str, tuple[str, ...], str, float], ...] = (
     ("prefetch wasted", ("extension", "summary", "prefetch_wasted"), ".0f", 1.0),
     ("prefetch on-time rate", ("extension", "summary", "prefetch_on_time_rate"), ".0%", 1.0),
     ("prefetch superseded", ("extension", "summary", "prefetch_superseded"), ".0f", 1.0),
+    ("prefetch head only", ("extension", "summary", "prefetch_head_only"), ".0f", 1.0),
     ("prefetch not needed", ("extension", "summary", "prefetch_not_needed"), ".0f", 1.0),
     ("demand loads", ("extension", "summary", "demand_loads"), ".0f", 1.0),
     ("readiness: eligible stalls", ("extension", "summary", "readiness_eligible"), ".0f", 1.0),

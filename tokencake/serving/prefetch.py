@@ -47,8 +47,18 @@ __all__ = [
 ]
 
 PrefetchState = Literal["waiting", "prefetching", "on_device", "evicted", "cancelled", "done"]
-Classification = Literal["on_time", "late", "superseded_by_request", "wasted", "unused", "expired"]
-CLASSIFICATIONS: tuple[str, ...] = ("on_time", "late", "superseded_by_request", "wasted", "unused", "expired")
+Classification = Literal[
+    "on_time", "late", "head_only", "superseded_by_request", "wasted", "unused", "expired"
+]
+CLASSIFICATIONS: tuple[str, ...] = (
+    "on_time",
+    "late",
+    "head_only",
+    "superseded_by_request",
+    "wasted",
+    "unused",
+    "expired",
+)
 
 
 def miss_reason(plan: PlannedStall | None, *, room_at_arrival: bool | None, deferred: int) -> str:
@@ -308,13 +318,20 @@ class PrefetchPlanner:
             self._count(f"cancelled.{reason}")
 
     def on_request(
-        self, session_id: str, *, hit_on_device: bool | None = None, now: float | None = None
+        self,
+        session_id: str,
+        *,
+        hit_on_device: bool | None = None,
+        partial: bool = False,
+        now: float | None = None,
     ) -> list[tuple[str, Classification]]:
         """Classify the session's open stalls when its next request arrives.
 
         ``hit_on_device=False`` says the prefix was *not* found on device (a prefetch that had
-        completed was evicted meanwhile → ``wasted``). Returns ``[(stall_id, classification)]``;
-        the stalls leave the plan (release their host pins after the request loaded).
+        completed was evicted meanwhile → ``wasted``); ``partial``: the budget let the upload
+        bring only the chain's head and no top-up had room since (→ ``head_only``). Returns
+        ``[(stall_id, classification)]``; the stalls leave the plan (release their host pins
+        after the request loaded).
         """
         t = self._now(now)
         out: list[tuple[str, Classification]] = []
@@ -326,6 +343,8 @@ class PrefetchPlanner:
                     cls: Classification = "on_time"
                     if plan.done_at is not None:
                         self._early_by.add(t - plan.done_at)
+                elif plan.state == "on_device" and partial:
+                    cls = "head_only"  # the rest of the chain had no room before the request came
                 elif plan.state in ("on_device", "evicted"):
                     cls = "wasted"
                 elif plan.state == "prefetching":  # the request is ahead of the upload in flight

@@ -59,6 +59,8 @@ class _Stall:
     prefetched: list[bytes] = field(default_factory=list)
     prefetch_job: _Job | None = None
     deferred: int = 0
+    #: The last upload brought only the chain's head (budget): the rest is topped up when room frees.
+    topup: bool = False
     accounted: bool = False
     resumed: bool = False
     retry_s: float = 0.0
@@ -173,6 +175,8 @@ class KVExtension:
         self._was_waiting = False
         #: Stalls whose chain a prefetch put back while the tool still runs (checked for eviction).
         self._prefetched_running: dict[_Stall, None] = {}
+        #: Stalls whose upload brought only the chain's head (``_Stall.topup``).
+        self._topups: dict[_Stall, None] = {}
         self._critical: dict[str, bool] = {}  # session -> its last request was critical
         # Critical-path sessions whose idle chain is watched for critical inversions, and the
         # sessions watching each key (the connector's ``_critical_idle``).
@@ -821,7 +825,8 @@ class KVExtension:
             if arrival is not None and not arrival.room:
                 self.stats["readiness.no_room"] += 1
                 self.stats[f"readiness.no_room_{ready}"] += 1
-        for _sid, cls in self.planner.on_request(sid, hit_on_device=on_device, now=self.now):
+        classified = self.planner.on_request(sid, hit_on_device=on_device, partial=stall.topup, now=self.now)
+        for _sid, cls in classified:
             self.stats[f"prefetch.{cls}"] += 1
         self._release_stall(stall)
         del self._last_stall[sid]
@@ -976,7 +981,7 @@ class KVExtension:
         self._promote(stall)
         plan = self.planner.get(stall_id)
         if plan is not None:
-            if plan.state == "on_device" and not self._chain_on_device(stall):
+            if plan.state == "on_device" and not stall.topup and not self._chain_on_device(stall):
                 self.planner.mark_evicted(stall_id, now=self.now, retry=False)
             self.planner.end(stall_id, now=self.now)
 
@@ -1017,7 +1022,7 @@ class KVExtension:
                 plan = self.planner.get(stall.stall_id)
                 if plan is None or plan.state != "on_device" or plan.ended_at is not None:
                     self._prefetched_running.pop(stall, None)
-                elif not self._chain_on_device(stall):
+                elif not stall.topup and not self._chain_on_device(stall):
                     self._prefetched_running.pop(stall, None)
                     self.planner.mark_evicted(stall.stall_id, now=now)
             for stall_id in self.planner.due(now):
@@ -1026,6 +1031,8 @@ class KVExtension:
                     self.planner.cancel(stall_id, "stall_forgotten")
                     continue
                 self._try_prefetch(stall)
+            for stall in list(self._topups):
+                self._try_topup(stall)
         for stall_id in self.planner.expired(now):
             stall = self._pop_stall(stall_id)
             if stall is not None and self._session_stall.get(stall.session.session_id) is stall:
@@ -1040,7 +1047,22 @@ class KVExtension:
         plan = self.planner.get(stall_id)
         return plan.session_id if plan is not None else ""
 
-    def _try_prefetch(self, stall: _Stall) -> None:
+    def _try_topup(self, stall: _Stall) -> None:
+        """As the connector: the rest of a partly uploaded chain, once room frees, while its
+        request has not come (then its own demand load brings the rest)."""
+        plan = self.planner.get(stall.stall_id)
+        if (
+            plan is None
+            or plan.state not in ("prefetching", "on_device")
+            or plan.waiting_since is not None
+            or stall.accounted
+            or stall.resumed
+        ):
+            self._topups.pop(stall, None)  # ``stall.topup`` stays: what the request found
+        elif plan.state == "on_device" and stall.prefetch_job is None:
+            self._try_prefetch(stall, topup=True)
+
+    def _try_prefetch(self, stall: _Stall, *, topup: bool = False) -> None:
         assert self.engine is not None
         self._promote(stall)
         if self._offload_pending(stall):
@@ -1051,6 +1073,10 @@ class KVExtension:
         keys, by_key, ref = stall.keys, self.cache.by_key, self.cache.ref
         missing = [(i, k) for i, k in enumerate(keys) if k not in by_key]
         if not missing or self.host.lookup(missing[0][1]) is None:  # type: ignore[arg-type]
+            if topup:
+                self._topups.pop(stall, None)
+                stall.topup = False
+                return
             self.planner.mark_started(stall.stall_id, now=self.now)
             self.planner.mark_done(stall.stall_id, now=self.now)
             self.stats["prefetch.not_needed"] += 1
@@ -1058,7 +1084,7 @@ class KVExtension:
         reserve = max(self._reserve(), len(self.engine.running))
         bound = self.cache.num_free - max(reserve, self.engine.waiting_blocks())
         if bound <= 0:
-            stall.deferred += 1
+            stall.deferred += not topup
             return
         need = []
         stop = len(keys)
@@ -1070,9 +1096,17 @@ class KVExtension:
         own_idle = sum(1 for k in keys[:stop] if k in by_key and ref[by_key[k]] == 0)
         budget = bound - own_idle
         if budget <= 0:
-            stall.deferred += 1
+            stall.deferred += not topup
             return
-        need = need[:budget]
+        stall.topup = len(need) > budget
+        if stall.topup:
+            need = need[:budget]
+            self.stats["prefetch.partial" if not topup else "prefetch.topup_partial"] += 1
+            self._topups[stall] = None
+        else:
+            self._topups.pop(stall, None)
+        if topup:
+            self.stats["prefetch.topups"] += 1
         blocks = self.cache.allocate(len(need))
         job = self._new_job(
             "prefetch",

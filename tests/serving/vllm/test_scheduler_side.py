@@ -646,6 +646,58 @@ def test_prefetch_brings_back_the_chain_head_when_room_is_short(pool: BlockPool,
     assert len(pinned(pool)) == 2 and side.stats.counter("hold.blocks") == 2
 
 
+def _partly_prefetched(side: SchedulerSide, pool: BlockPool, clock: Clock) -> tuple[list[bytes], Any]:
+    """A 3-block chain of which a queued request leaves room for the head (2 blocks) only."""
+    hashes = _offloaded_and_evicted(side, pool, clock, n=3)
+    queued = request("q", chain("w", 1), 13 * BS, session=None)
+    side.on_new_request(queued)  # leaves 2 of 15
+    clock.t += 2.0
+    (job,) = side.build_meta().jobs
+    answer(side, TokenCakeMetadata([job]))
+    assert bp.cached_block(pool, hashes[2]) is None
+    return hashes, queued
+
+
+def test_a_partial_prefetch_is_topped_up_once_room_frees(pool: BlockPool, clock: Clock) -> None:
+    # The head alone leaves the returning request a demand load of the rest: once the queue's
+    # request is admitted the budget has room again, and the rest follows while the tool runs.
+    side = make_side(pool, clock)
+    hashes, queued = _partly_prefetched(side, pool, clock)
+    assert side.build_meta().jobs == []  # still no room: nothing taken from the queue
+    assert side.stats.counter("prefetch.deferred.waiting") == 0
+    side.update_state_after_alloc(queued, [], 0)
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch" and len(job.device_blocks) == 1
+    answer(side, TokenCakeMetadata([job]))
+    assert all(bp.cached_block(pool, h) is not None for h in hashes)
+    assert len(pinned(pool)) == 3  # the hold covers the whole chain now
+    assert side.stats.counter("prefetch.topups") == 1
+    assert side.build_meta().jobs == []  # nothing more to top up
+    side.handle_event(end(duration=2.0))
+    nxt = request("r2", [*hashes, *chain("n", 1)], 4 * BS + 1)
+    side.on_new_request(nxt)
+    assert side.get_num_new_matched_tokens(nxt, 3 * BS) == 0  # a whole device hit
+    side.update_state_after_alloc(nxt, [], 0)
+    assert side.stats.counter("readiness.prefetched") == 1
+
+
+def test_no_top_up_once_the_request_has_come(pool: BlockPool, clock: Clock) -> None:
+    # The request's own demand load brings the rest: a top-up now would copy the same blocks.
+    side = make_side(pool, clock)
+    hashes, queued = _partly_prefetched(side, pool, clock)
+    side.handle_event(end(duration=2.0))
+    nxt = request("r2", [*hashes, *chain("n", 1)], 4 * BS + 1)
+    side.on_new_request(nxt)
+    side.update_state_after_alloc(queued, [], 0)
+    assert side.build_meta().jobs == []
+    assert side.stats.counter("prefetch.topups") == 0
+    # Admitted: a device hit on the head, a demand load of the rest; the upload served its head.
+    assert side.get_num_new_matched_tokens(nxt, 2 * BS) == BS
+    side.update_state_after_alloc(nxt, [b.block_id for b in bp.allocate(pool, 3)], BS)
+    assert side.stats.counter("prefetch.head_only") == 1
+    assert side.stats.counter("prefetch.wasted") == 0
+
+
 def test_request_waits_for_its_prefetch_instead_of_loading_twice(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock)
     hashes = _offloaded_and_evicted(side, pool, clock)

@@ -155,6 +155,8 @@ class _Stall:
     prefetched: list[bytes] = field(default_factory=list)
     #: Headroom refusals; a deferred prefetch waits for the next regular step.
     deferred: int = 0
+    #: The last upload brought only the chain's head (budget): the rest is topped up when room frees.
+    topup: bool = False
     accounted: bool = False
     #: A request of the session was admitted after the stall began (nothing left to hold for).
     resumed: bool = False
@@ -406,6 +408,8 @@ class SchedulerSide:
         self._demoted: set[str] = set()
         #: Session id -> its prefetch job being copied.
         self._prefetching: dict[str, int] = {}
+        #: Stalls whose upload brought only the chain's head (``_Stall.topup``), in upload order.
+        self._topups: dict[str, None] = {}
         #: (time, tokens scheduled) of recent steps: the allocation rate behind the eviction risk.
         self._steps: deque[tuple[float, int]] = deque()
         #: Seconds between consecutive busy steps (the engine acts on a copy only at a step boundary).
@@ -1536,7 +1540,7 @@ class SchedulerSide:
         # With prefetch off the planner still tracks the stall (pins, expiry): count apart so the
         # prefetch outcome counters only ever describe prefetches.
         outcome = "prefetch" if self.prefetch_enabled else "no_prefetch"
-        for sid, cls in self.planner.on_request(session_id, hit_on_device=on_device):
+        for sid, cls in self.planner.on_request(session_id, hit_on_device=on_device, partial=stall.topup):
             self.stats.inc(f"{outcome}.{cls}")
             done = self._stall(sid)
             if cls == "on_time" and done is not None and done.prefetched:
@@ -1675,6 +1679,13 @@ class SchedulerSide:
                     self.stats.inc("errors.prefetch")
                     self.planner.cancel(sid, "error")
                     log.exception("TokenCake: prefetch for %s failed", sid)
+            for sid in list(self._topups):
+                try:
+                    self._try_topup(sid, now)
+                except Exception:
+                    self._topups.pop(sid, None)
+                    self.stats.inc("errors.prefetch")
+                    log.exception("TokenCake: prefetch top-up for %s failed", sid)
         for sid in self.planner.expired(now):
             # No end in time, or ended long ago without a next request: release the host pins.
             stall = self._pop_stall(sid)
@@ -1759,9 +1770,10 @@ class SchedulerSide:
             self._promote(stall)
             plan = self.planner.get(stall.stall_id)
             if plan is not None and plan.state in ("waiting", "on_device"):
-                if plan.state == "on_device" and not self._chain_on_device(stall):
+                if plan.state == "on_device" and not stall.topup and not self._chain_on_device(stall):
                     # A stall longer than predicted: what was prefetched (or still cached) at the
-                    # due time was evicted since; the planner makes it due again at the end.
+                    # due time was evicted since; the planner makes it due again at the end. (A
+                    # chain uploaded in part is topped up instead: ``_try_topup``.)
                     self.planner.mark_evicted(stall.stall_id, now=tr.at, retry=False)
                 elif plan.state == "waiting" and plan.due_at > tr.at:
                     self.stats.inc("prefetch.triggered_by_end")  # an end earlier than predicted
@@ -2107,16 +2119,37 @@ class SchedulerSide:
             if plan.state != "on_device" or plan.ended_at is not None:
                 continue
             stall = self._stalls.get(plan.stall_id)
-            if stall is not None and not self._chain_on_device(stall):
+            # A chain uploaded in part is topped up (``_try_topup``), whatever of it is missing.
+            if stall is not None and not stall.topup and not self._chain_on_device(stall):
                 self.planner.mark_evicted(plan.stall_id, now=now)
 
-    def _try_prefetch(self, stall: _Stall, now: float) -> None:
+    def _try_topup(self, stall_id: str, now: float) -> None:
+        """Upload the rest of a chain whose last upload brought only its head, once the budget
+        has room again — while the tool runs or its request has not come (then the request's own
+        demand load brings the rest). One copy in flight per session."""
+        stall = self._stall(stall_id)
+        plan = self.planner.get(stall_id)
+        if (
+            stall is None
+            or plan is None
+            or plan.state not in ("prefetching", "on_device")
+            or plan.waiting_since is not None
+            or stall.accounted
+            or stall.resumed
+        ):
+            self._topups.pop(stall_id, None)  # ``stall.topup`` stays: what the request found
+        elif plan.state == "on_device" and stall.session_id not in self._prefetching:
+            self._try_prefetch(stall, now, topup=True)
+
+    def _try_prefetch(self, stall: _Stall, now: float, *, topup: bool = False) -> None:
         """Bring the stall's missing chain blocks back into the device prefix cache (planner: due).
 
         Budget: the free blocks minus what must stay free — the larger of the reserve and the
         blocks the queued requests need — so a prefetch never starves the queue, but a queue that
         has its blocks does not stop it either. A budget smaller than the need prefetches the
-        chain's head (a usable prefix); demand load brings the rest.
+        chain's head (a usable prefix) and tops up the rest when room frees (``topup``: this call
+        is such a top-up; the plan is already ``on_device``); demand load brings what is still
+        missing when the request comes.
         """
         pool = self.pool
         if pool is None:
@@ -2136,6 +2169,10 @@ class SchedulerSide:
                 break  # a hit needs an unbroken chain from block 0
             need.append((i, h, slot))
         if not need:
+            if topup:  # the rest came back some other way (or is not on host): nothing to top up
+                self._topups.pop(stall.stall_id, None)
+                stall.topup = False
+                return
             # Everything is still cached on device: nothing to copy (the end re-checks).
             self.planner.mark_started(stall.stall_id, now=now)
             self.planner.mark_done(stall.stall_id, now=now)
@@ -2146,15 +2183,23 @@ class SchedulerSide:
         # Our own idle cached blocks are counted free by vLLM, but allocating them would break the chain.
         budget = bp.num_free(pool) - own_idle - max(reserve, queued)
         if budget <= 0:
+            if topup:
+                return  # tried again next step
             if stall.deferred == 0:
                 self.stats.inc(
                     "prefetch.deferred.waiting" if queued > reserve else "prefetch.deferred.headroom"
                 )
             stall.deferred += 1
             return
-        if budget < len(need):
+        stall.topup = budget < len(need)
+        if stall.topup:
             need = need[:budget]
-            self.stats.inc("prefetch.partial")
+            self.stats.inc("prefetch.topup_partial" if topup else "prefetch.partial")
+            self._topups[stall.stall_id] = None
+        else:
+            self._topups.pop(stall.stall_id, None)
+        if topup:
+            self.stats.inc("prefetch.topups")
         blocks = bp.allocate(pool, len(need))
         job = self._new_job(
             "prefetch",
