@@ -121,6 +121,8 @@ def run_one(knobs: dict[str, Any], systems: tuple[str, ...]) -> dict[str, Any]:
             "computed_prompt_tokens": r.computed_prompt_tokens,
             "preemptions": r.preemptions,
             "next_turn_recomputed_share": ext.get("next_turn_recomputed_share"),
+            # Issue 9's readiness, judged at each next request's arrival (docs/policy.md §4).
+            "readiness": {k: ext.get("counters", {}).get(f"readiness.{k}", 0) for k in READINESS},
             "wall_s": round(r.wall_s, 2),
         }
     e2e = {k: v["e2e_mean_s"] for k, v in out["systems"].items()}
@@ -128,6 +130,40 @@ def run_one(knobs: dict[str, Any], systems: tuple[str, ...]) -> dict[str, Any]:
         ours = e2e["tokencake"]
         out["ratios"] = {f"tokencake/{k}": ours / v for k, v in e2e.items() if k != "tokencake" and v > 0}
     return out
+
+
+#: The readiness counters kept per system: eligible stalls, the ready ones by kind, and those whose
+#: next request came to a device with no room for the chain (``no_room_*``: of them, the ready ones).
+READINESS: tuple[str, ...] = (
+    "eligible",
+    "prefetched",
+    "not_needed",
+    "loading",
+    "no_room",
+    "no_room_prefetched",
+    "no_room_not_needed",
+    "no_room_loading",
+)
+
+
+def readiness(rows: list[dict[str, Any]], system: str = "tokencake") -> dict[str, Any] | None:
+    """Pooled over ``rows``: the share of eligible stalls ready at arrival, the same share over
+    the stalls whose device had room for the chain, and the share that had none."""
+    tot = dict.fromkeys(READINESS, 0)
+    for r in rows:
+        for k, v in (r["systems"].get(system, {}).get("readiness") or {}).items():
+            tot[k] += v
+    if not tot["eligible"]:
+        return None
+    ready = tot["prefetched"] + tot["not_needed"] + tot["loading"]
+    ready_no_room = tot["no_room_prefetched"] + tot["no_room_not_needed"] + tot["no_room_loading"]
+    with_room = tot["eligible"] - tot["no_room"]
+    return {
+        "eligible": tot["eligible"],
+        "ready_rate": ready / tot["eligible"],
+        "ready_rate_with_room": (ready - ready_no_room) / with_room if with_room else None,
+        "no_room_share": tot["no_room"] / tot["eligible"],
+    }
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:
@@ -173,6 +209,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         summary.setdefault("by_profile", {})[profile] = {
             key: _spread([r["ratios"][key] for r in sub if key in r.get("ratios", {})]) for key in keys
         }
+        summary.setdefault("readiness", {})[profile] = readiness(sub)
     return summary
 
 
