@@ -356,8 +356,8 @@ def extension_summary(
         return d.get(f"counters.{name}", zero)
 
     on_time, late, wasted = c("prefetch.on_time"), c("prefetch.late"), c("prefetch.wasted")
-    superseded, partial = c("prefetch.superseded_by_request"), c("prefetch.head_only")
-    judged = sum(x or 0.0 for x in (on_time, late, wasted, superseded, partial))
+    superseded, head_only = c("prefetch.superseded_by_request"), c("prefetch.head_only")
+    judged = sum(x or 0.0 for x in (on_time, late, wasted, superseded, head_only))
     prefix, recomputed = c("next_turn.prefix_tokens"), c("next_turn.prefix_tokens_recomputed")
     eligible, prefetched = c("readiness.eligible"), c("readiness.prefetched")
     not_needed, loading = c("readiness.not_needed"), c("readiness.loading")
@@ -375,7 +375,7 @@ def extension_summary(
         "prefetch_late": late,
         "prefetch_wasted": wasted,
         "prefetch_superseded": superseded,
-        "prefetch_head_only": partial,
+        "prefetch_head_only": head_only,
         # Of the offloaded stalls whose next turn came, the share whose KV a prefetch had already put
         # back on device (late = copy still running, wasted = evicted again, superseded = the request
         # came before the prefetch started, so demand load served it; head only = the budget had
