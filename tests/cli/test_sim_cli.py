@@ -68,6 +68,9 @@ def test_a_sweep_writes_results_and_a_plot(tmp_path: Path, capsys: pytest.Captur
         (["--trace", "/nonexistent.jsonl"], "nonexistent"),
         (["--rate", "0"], "--rate"),
         (["--turns", "0"], "--turns"),
+        (["--set", "flops=3"], "NAME=VALUE"),
+        (["--set", "step_s=fast"], "not a number"),
+        (["--set", "d2h_bytes_per_s=0"], "> 0"),
     ],
 )
 def test_bad_input_is_one_clear_line(
@@ -92,3 +95,18 @@ def test_a_recorded_run_replays(tmp_path: Path) -> None:
     (app,) = recorded.apps
     assert {n.name for n in app.nodes} >= {"planner", "writer"} and recorded.num_llm_calls >= 4
     assert main(["sim", "--trace", str(trace), "--policies", "baseline,tokencake", "--jobs", "1"]) == 0
+
+
+def test_a_profile_constant_can_be_overridden_and_the_results_say_so(tmp_path: Path) -> None:
+    """``--set``: a sensitivity run (here a decode twice as slow per context token) changes the
+    modelled times and is named in the results, never passed off as the profile itself."""
+    times = {}
+    for extra in ([], ["--set", "decode_s_per_ctx_token=6.8e-8", "--set", "max_num_seqs=64"]):
+        out = tmp_path / f"r{len(extra)}.json"
+        argv = ["sim", "--profile", "h200-llama3-8b", "--preset", "stress", "--agents", "4", "--turns", "2"]
+        assert main([*argv, "--policies", "baseline", "--json", str(out), *extra]) == 0
+        doc = json.loads(out.read_text())
+        times[len(extra)] = (doc["profile"], doc["points"][0]["systems"]["baseline"]["e2e_mean_s"])
+    assert times[0][0] == "h200-llama3-8b"
+    assert times[4][0] == "h200-llama3-8b+decode_s_per_ctx_token=6.8e-08,max_num_seqs=64"
+    assert times[4][1] > times[0][1]

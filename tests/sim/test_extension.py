@@ -196,6 +196,21 @@ def test_slack_is_counted_from_arrival_not_from_the_head_of_the_queue() -> None:
     assert engine.ext._within_slack(req)
 
 
+def test_with_the_head_clock_slack_is_counted_from_the_first_look() -> None:
+    """``critical_reserve_wait_from = "head"``: the queueing before the engine first looked at
+    the request does not spend its slack; the wait at the head does (the connector's
+    ``_reserve_waited``)."""
+    engine = engine_with(critical_reserve_wait_from="head")
+    assert engine.ext is not None
+    engine.running.append(Request(9, Session("r", "agent", 4), 4, 1, arrival=0.0))  # requests run
+    req = Request(1, Session("o", "agent", 4), prompt_tokens=8, output_tokens=1, arrival=0.0, priority=5)
+    engine.idle_until(6.0)
+    req.seen_at = 5.9
+    assert engine.ext._within_slack(req)
+    req.seen_at = 0.5
+    assert not engine.ext._within_slack(req)
+
+
 def test_waiting_for_the_sessions_prefetch_is_bounded_from_the_copys_issue() -> None:
     """As the connector: a request waits for its session's prefetch in flight only until
     ``prefetch_wait_s`` after the copy was issued, however recently the request came."""

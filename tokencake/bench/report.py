@@ -207,6 +207,8 @@ ROUND_HEADLINES: dict[str, tuple[str, str]] = {
     "tokencake/reserve-off": ("E2E mean tokencake/reserve-off (the critical reserve)", ".3f"),
     "spare-late/spatial-off": ("E2E mean spare-late/spatial-off", ".3f"),
     "spare-late/tokencake": ("E2E mean spare-late/tokencake (late admissions spare critical chains)", ".3f"),
+    "reserve-head/spatial-off": ("E2E mean reserve-head/spatial-off", ".3f"),
+    "reserve-head/tokencake": ("E2E mean reserve-head/tokencake (reserve wait from the queue's head)", ".3f"),
     "spatial-off/offload-all": ("E2E mean spatial-off/offload-all (same scheduler)", ".3f"),
     "spatial-off/continuum": ("E2E mean spatial-off/continuum (same scheduler)", ".3f"),
     "spatial-off/infercept": ("E2E mean spatial-off/infercept (same scheduler)", ".3f"),

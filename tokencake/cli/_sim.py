@@ -28,6 +28,14 @@ def register(subparsers: Any) -> None:
         ),
     )
     p.add_argument("--profile", default="cpu-measured", choices=PROFILE_NAMES, help="hardware profile")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change one of the profile's constants for this run (repeatable), e.g. "
+        "decode_s_per_ctx_token=5.3e-8; the results name the override",
+    )
     p.add_argument("--preset", default="stress", choices=("ci", "headroom", "stress"), help="trace shape")
     p.add_argument("--trace", type=Path, help="a JSONL trace to replay instead of a preset")
     p.add_argument(
@@ -108,7 +116,12 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(
             f"unknown system(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}"
         )
-    profile = get_profile(args.profile)
+    from tokencake.sim.profiles import override
+
+    try:
+        profile = override(get_profile(args.profile), args.set)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     for flag in ("device_blocks", "host_blocks", "turns", "context_tokens"):
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "host_blocks" else 1):

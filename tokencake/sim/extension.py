@@ -521,7 +521,7 @@ class KVExtension:
         they fit in ``critical_reserve_frac`` of the device."""
         if not self.critical_last or req.priority == 0 or req.admitted_at is not None:
             return frozenset()
-        if self.now - req.arrival >= self.opts.critical_reserve_wait_s:
+        if self._reserve_waited(req) >= self.opts.critical_reserve_wait_s:
             return frozenset()
         cap = int(self.opts.critical_reserve_frac * self.cache.num_blocks)
         ref = self.cache.ref
@@ -637,8 +637,16 @@ class KVExtension:
         return (
             bool(self.engine.running)
             and req.admitted_at is None
-            and self.now - req.arrival < min(float(req.priority), self.opts.critical_reserve_wait_s)
+            and self._reserve_waited(req) < min(float(req.priority), self.opts.critical_reserve_wait_s)
         )
+
+    def _reserve_waited(self, req: Request) -> float:
+        """How long the request has waited by the reserve's clock (``critical_reserve_wait_from``):
+        since its arrival, or since the engine first looked at it (the head of the queue)."""
+        start = req.arrival
+        if self.opts.critical_reserve_wait_from == "head" and req.seen_at is not None:
+            start = req.seen_at
+        return self.now - start
 
     def _eviction_window(self, wanted: Any, need: int, skip: set[Any] | None = None) -> list[Any]:
         """The free blocks whose key is ``wanted`` evicted before ``need`` others, front first

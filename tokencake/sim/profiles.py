@@ -17,10 +17,11 @@ The GPU profiles are built from published figures, cited in ``docs/simulation.md
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["PROFILES", "HardwareProfile", "get_profile"]
+__all__ = ["PROFILES", "HardwareProfile", "get_profile", "override"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,52 @@ PROFILES: dict[str, HardwareProfile] = {
         "by scripts/gpu_check.sh; Llama 3 8B config",
     ),
 }
+
+
+#: The constants ``override`` may change (numbers; block geometry and flags stay the profile's).
+TUNABLE = (
+    "device_blocks",
+    "host_blocks",
+    "max_batched_tokens",
+    "max_num_seqs",
+    "step_s",
+    "prefill_s_per_token",
+    "attn_s_per_token_ctx",
+    "decode_s_per_seq",
+    "decode_s_per_ctx_token",
+    "d2h_bytes_per_s",
+    "h2d_bytes_per_s",
+    "copy_base_s",
+)
+
+
+def override(profile: HardwareProfile, assignments: list[str]) -> HardwareProfile:
+    """The profile with ``NAME=VALUE`` constants changed, renamed to say so: a sensitivity run
+    (e.g. the decode bandwidth ``scripts/gpu_step.py`` measured) without editing the table."""
+    if not assignments:
+        return profile
+    changes: dict[str, Any] = {}
+    for item in assignments:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or name not in TUNABLE:
+            raise ValueError(
+                f"bad profile override {item!r}: use NAME=VALUE, NAME one of {', '.join(TUNABLE)}"
+            )
+        kind = type(getattr(profile, name))
+        try:
+            value = kind(float(raw)) if kind is int else float(raw)
+        except ValueError:
+            raise ValueError(f"bad profile override {item!r}: {raw.strip()!r} is not a number") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and name.endswith("bytes_per_s")):
+            raise ValueError(f"bad profile override {item!r}: must be a finite number > 0")
+        changes[name] = value
+    suffix = ",".join(f"{k}={v:g}" for k, v in changes.items())
+    return profile.with_(
+        name=f"{profile.name}+{suffix}",
+        description=f"{profile.description}; overridden: {suffix}",
+        **changes,
+    )
 
 
 def get_profile(name: str) -> HardwareProfile:

@@ -69,6 +69,13 @@ SYSTEMS: dict[str, SystemSpec] = {
     "spare-late": SystemSpec(
         "spare-late", "tokencake", options={"critical_spare_late": True}, scheduling="spatial"
     ),
+    # The critical reserve's wait counted from the head of the queue instead of arrival.
+    "reserve-head": SystemSpec(
+        "reserve-head",
+        "tokencake",
+        options={"critical_reserve_wait_from": "head"},
+        scheduling="spatial",
+    ),
     "offload-all": SystemSpec("offload-all", "offload-all"),
     "continuum": SystemSpec("continuum", "continuum"),
     "infercept": SystemSpec("infercept", "infercept"),

@@ -2190,6 +2190,34 @@ def test_an_admission_waits_for_the_critical_reserve_within_its_slack_then_is_ad
     assert side.stats.counter("spatial.critical_inversions_late") == 1  # past its slack
 
 
+@pytest.mark.parametrize(("wait_from", "waits"), [("arrival", False), ("head", True)])
+def test_the_reserve_clock_starts_at_arrival_or_at_the_first_look(
+    pool: BlockPool, clock: Clock, wait_from: str, waits: bool
+) -> None:
+    """A request that queued behind others for longer than its slack before vLLM first looked at
+    it: counted from arrival its slack is spent (admitted at once, a late inversion); counted
+    from the head of the queue (``critical_reserve_wait_from = "head"``) it may still wait its
+    slack for the critical reserve, and only then takes the chain."""
+    side, req, _crit, _other = _reserve_case(
+        pool, clock, blocks=14, slack=2.0, critical_reserve_wait_from=wait_from
+    )
+    clock.t += 3.0  # queued behind other requests: vLLM's admission has not looked at it yet
+    if waits:
+        assert side.get_num_new_matched_tokens(req, 0) is None
+        clock.t += 1.5
+        assert side.get_num_new_matched_tokens(req, 0) is None
+        assert side.stats.counter("spatial.critical_reserve_waited_requests") == 1
+        clock.t += 1.0  # its slack is spent at the head too: the reserve is lent
+    assert side.get_num_new_matched_tokens(req, 0) == 0
+    taken = bp.allocate(pool, 14)
+    side.update_state_after_alloc(req, [], 0)
+    bp.release(pool, taken)
+    assert inversions(side)[0] == 1
+    assert side.stats.counter("spatial.critical_inversions_late") == 1
+    assert side.stats.counter("spatial.critical_reserve_waits") == (2 if waits else 0)
+    assert not side._first_look and not side._arrival
+
+
 @pytest.mark.parametrize(
     ("case", "kw", "plain", "late"),
     [

@@ -47,6 +47,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tokencake.serving.event_api import EVENTS_API_KEY_ENV, EventServer
 from tokencake.serving.host_pool import blocks_for_gib
 from tokencake.serving.model import tokencake_home
+from tokencake.serving.options import RESERVE_WAIT_FROM
 from tokencake.serving.policies import DEFAULT_POLICY, POLICY_NAMES
 from tokencake.serving.profile import PrefillProfile, profile_path
 from tokencake.serving.vllm import _blockpool as bp
@@ -151,6 +152,16 @@ def _options(extra: dict[str, Any]) -> Options:
             policy,
             ", ".join(POLICY_NAMES),
             opts.policy,
+        )
+    wait_from = str(extra.get("critical_reserve_wait_from") or opts.critical_reserve_wait_from)
+    if wait_from.strip().lower() in RESERVE_WAIT_FROM:
+        opts.critical_reserve_wait_from = wait_from.strip().lower()
+    else:
+        log.warning(
+            "TokenCake: ignoring critical_reserve_wait_from=%r (choose from %s); using %s",
+            wait_from,
+            ", ".join(RESERVE_WAIT_FROM),
+            opts.critical_reserve_wait_from,
         )
     numeric: dict[str, type] = {
         "policy_seed": int,

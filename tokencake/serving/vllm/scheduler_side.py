@@ -429,6 +429,9 @@ class SchedulerSide:
         self._finish_decision: ByteLRU[str, str] = ByteLRU(max_items=CRITICAL_SESSIONS, max_bytes=1 << 20)
         #: Request id -> arrival time (the queueing delay policies learn from).
         self._arrival: dict[str, float] = {}
+        #: Request id -> when vLLM's admission first looked at it (the head of the queue), until
+        #: admitted: the critical reserve's clock with ``critical_reserve_wait_from = "head"``.
+        self._first_look: dict[str, float] = {}
         self.stats.register("host_pool", self.host.stats)
         self.stats.register("sessions", self.sessions.stats)
         self.stats.register("forecast", self.forecaster.stats)
@@ -572,6 +575,7 @@ class SchedulerSide:
         if self._first_token:
             self._watch_first_tokens(self.clock(), finished=req_id)
         never_admitted = self._arrival.pop(req_id, None) is not None
+        self._first_look.pop(req_id, None)
         self._pending_load.pop(req_id, None)
         self._local_hit.pop(req_id, None)
         info = self._reqs.pop(req_id, None)
@@ -1077,8 +1081,7 @@ class SchedulerSide:
             block = bp.cached_block(pool, bytes(h))
             evictable += block is not None and block.ref_cnt == 0
         need = -(-int(request.num_tokens) // self.block_size) - len(computed) + evictable + 1
-        arrived = self._arrival.get(request.request_id)
-        waited = self.clock() - arrived if arrived is not None else math.inf  # re-admission: no reserve
+        waited = self._reserve_waited(request.request_id)
         own_hits = frozenset(bytes(h) for h in computed)
         if self._kept and bp.num_free(pool) < need:
             protect = self._protected(info, waited)
@@ -1201,6 +1204,18 @@ class SchedulerSide:
         Plain requests never wait (first come, first served)."""
         return self.opts.critical_reserve_frac > 0 and self._within_slack(info, waited_s)
 
+    def _reserve_waited(self, req_id: str) -> float:
+        """How long the request has waited by the critical reserve's clock
+        (``critical_reserve_wait_from``): since it arrived, or since vLLM's admission first looked
+        at it (the head of the queue: queueing that delays every request does not count). inf for
+        a re-admission (a preempted request): the reserve never holds it back."""
+        arrived = self._arrival.get(req_id)
+        if arrived is None:
+            return math.inf
+        if self.opts.critical_reserve_wait_from == "head":
+            arrived = self._first_look.get(req_id, arrived)
+        return max(self.clock() - arrived, 0.0)
+
     def _within_slack(self, info: _ReqInfo | None, waited_s: float | None) -> bool:
         """Whether an admission could still have waited without delaying its own app: an agent
         request on its first admission that has waited less than its node's slack and
@@ -1222,6 +1237,8 @@ class SchedulerSide:
         or while it waits for the critical reserve (``_spare_critical_chains``).
         """
         req_id = request.request_id
+        if req_id in self._arrival and req_id not in self._first_look:
+            self._first_look[req_id] = self.clock()
         info = self._reqs.get(req_id)
         if info is not None:
             self._local_hit[req_id] = num_computed_tokens
@@ -1314,7 +1331,9 @@ class SchedulerSide:
         req_id = request.request_id
         self._waiting.pop(req_id, None)
         self._admitted[req_id] = request  # to find it again if vLLM preempts it (observe_step)
+        reserve_waited = self._reserve_waited(req_id)  # by the reserve's clock (inf: re-admission)
         arrived = self._arrival.pop(req_id, None)
+        self._first_look.pop(req_id, None)
         info = self._reqs.get(req_id)
         waited: float | None = None
         if arrived is not None:  # first admission (a preempted request's re-admission is not counted)
@@ -1330,7 +1349,7 @@ class SchedulerSide:
             self._unwatch_critical(info.session_id)  # its blocks are in use again
         before, self._critical_before = self._critical_before, None
         if before is not None and (info is None or not info.critical):
-            late = not self._within_slack(info, waited)
+            late = not self._within_slack(info, reserve_waited)
             self._critical_before = self._count_inversions(before, late)  # the next admission's baseline
         if info is not None and info.session_id in self._kept:
             # Admitted: the request now holds the prefix blocks it hit; the keep has done its job.
