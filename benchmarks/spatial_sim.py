@@ -88,7 +88,7 @@ def _run(trace: Any, profile: Any, weights: SpatialWeights | None, host: int | N
 
 
 #: The bench's spatial ablations, run on every mix.
-ABLATIONS: tuple[str, ...] = ("spatial-order", "reserve-off", "spare-late")
+ABLATIONS: tuple[str, ...] = ("spatial-order", "reserve-off", "spare-late", "reserve-head")
 
 
 def _row(r: Any) -> dict[str, Any]:
@@ -114,7 +114,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("sim-spatial.json"))
     ap.add_argument("--seeds", type=int, default=2, help="seeds per mix (default 2)")
     ap.add_argument("--variants", action="store_true", help="also run the weightings in VARIANTS")
+    ap.add_argument(
+        "--ablations", default=",".join(ABLATIONS), help=f"systems run beside (default {','.join(ABLATIONS)})"
+    )
     args = ap.parse_args()
+    ablations = tuple(a.strip() for a in args.ablations.split(",") if a.strip())
+    unknown = [a for a in ablations if a not in SYSTEMS]
+    if unknown:
+        ap.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     variants = VARIANTS if args.variants else {}
     started = time.perf_counter()
     rows = []
@@ -135,7 +142,7 @@ def main() -> int:
                     on.queue_wait_critical_mean_s, off.queue_wait_critical_mean_s
                 ),
             }
-            for name in ABLATIONS:
+            for name in ablations:
                 other = simulate(trace, profile, SYSTEMS[name], host_blocks=host)
                 row["systems"][name] = _row(other)
                 row[f"{name}/spatial-off"] = other.e2e_mean_s / off.e2e_mean_s
@@ -184,13 +191,13 @@ def main() -> int:
             "critical_wait_tokencake/spatial-off": _spread(waits),
             "tokencake_not_worse_than_1.05": sum(r <= 1.05 for r in ratios),
             **{
-                f"{name}/spatial-off": _spread([r[f"{name}/spatial-off"] for r in rows]) for name in ABLATIONS
+                f"{name}/spatial-off": _spread([r[f"{name}/spatial-off"] for r in rows]) for name in ablations
             },
             # Summed over every mix and seed, per system.
             **{
                 f"{key}_total": {
                     name: sum(r["systems"][name][key] or 0 for r in rows)
-                    for name in ("tokencake", "spatial-off", *ABLATIONS)
+                    for name in ("tokencake", "spatial-off", *ablations)
                 }
                 for key in (
                     "critical_inversions",
