@@ -88,7 +88,7 @@ def _run(trace: Any, profile: Any, weights: SpatialWeights | None, host: int | N
 
 
 #: The bench's spatial ablations, run on every mix.
-ABLATIONS: tuple[str, ...] = ("spatial-order", "reserve-off", "spare-late", "reserve-head")
+ABLATIONS: tuple[str, ...] = ("spatial-order", "reserve-off", "spare-late", "reserve-arrival")
 
 
 def _row(r: Any) -> dict[str, Any]:

@@ -109,7 +109,7 @@ def test_tokencake_loads_the_spatial_scheduler_and_spatial_off_does_not():
         ("spatial-order", "critical_last", False),
         ("reserve-off", "critical_reserve_frac", 0.0),
         ("spare-late", "critical_spare_late", True),
-        ("reserve-head", "critical_reserve_wait_from", "head"),
+        ("reserve-arrival", "critical_reserve_wait_from", "arrival"),
     ):
         ablation = resolve_systems([name])[0]
         kw = server_kwargs(ablation, ServerConfig(), Server)

@@ -182,10 +182,11 @@ def test_a_request_that_needs_the_lent_reserve_waits_and_the_next_one_is_admitte
     assert counters(engine)["spatial.reserve_denials"] >= 1
 
 
-def test_slack_is_counted_from_arrival_not_from_the_head_of_the_queue() -> None:
-    """As the connector: a request that queued past its slack could not have waited (its
-    inversions are late), however recently it reached the head of the queue."""
-    engine = engine_with()
+def test_with_the_arrival_clock_slack_is_counted_from_arrival() -> None:
+    """``critical_reserve_wait_from = "arrival"`` (the rule before the head clock), as the
+    connector: a request that queued past its slack could not have waited (its inversions are
+    late), however recently it reached the head of the queue."""
+    engine = engine_with(critical_reserve_wait_from="arrival")
     assert engine.ext is not None
     engine.running.append(Request(9, Session("r", "agent", 4), 4, 1, arrival=0.0))  # requests run
     req = Request(1, Session("o", "agent", 4), prompt_tokens=8, output_tokens=1, arrival=0.0, priority=5)
@@ -196,11 +197,11 @@ def test_slack_is_counted_from_arrival_not_from_the_head_of_the_queue() -> None:
     assert engine.ext._within_slack(req)
 
 
-def test_with_the_head_clock_slack_is_counted_from_the_first_look() -> None:
-    """``critical_reserve_wait_from = "head"``: the queueing before the engine first looked at
-    the request does not spend its slack; the wait at the head does (the connector's
-    ``_reserve_waited``)."""
-    engine = engine_with(critical_reserve_wait_from="head")
+def test_slack_is_counted_from_the_first_look_by_default() -> None:
+    """``critical_reserve_wait_from = "head"`` (the default): the queueing before the engine
+    first looked at the request does not spend its slack; the wait at the head does (the
+    connector's ``_reserve_waited``)."""
+    engine = engine_with()
     assert engine.ext is not None
     engine.running.append(Request(9, Session("r", "agent", 4), 4, 1, arrival=0.0))  # requests run
     req = Request(1, Session("o", "agent", 4), prompt_tokens=8, output_tokens=1, arrival=0.0, priority=5)

@@ -209,6 +209,11 @@ ROUND_HEADLINES: dict[str, tuple[str, str]] = {
     "spare-late/tokencake": ("E2E mean spare-late/tokencake (late admissions spare critical chains)", ".3f"),
     "reserve-head/spatial-off": ("E2E mean reserve-head/spatial-off", ".3f"),
     "reserve-head/tokencake": ("E2E mean reserve-head/tokencake (reserve wait from the queue's head)", ".3f"),
+    "reserve-arrival/spatial-off": ("E2E mean reserve-arrival/spatial-off", ".3f"),
+    "tokencake/reserve-arrival": (
+        "E2E mean tokencake/reserve-arrival (reserve wait from the queue's head)",
+        ".3f",
+    ),
     "spatial-off/offload-all": ("E2E mean spatial-off/offload-all (same scheduler)", ".3f"),
     "spatial-off/continuum": ("E2E mean spatial-off/continuum (same scheduler)", ".3f"),
     "spatial-off/infercept": ("E2E mean spatial-off/infercept (same scheduler)", ".3f"),

@@ -439,8 +439,8 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("tokencake", "reserve-off"),
     ("spare-late", "spatial-off"),
     ("spare-late", "tokencake"),
-    ("reserve-head", "spatial-off"),
-    ("reserve-head", "tokencake"),
+    ("reserve-arrival", "spatial-off"),
+    ("tokencake", "reserve-arrival"),
     # Two replicas behind a router (issue 15): session affinity against round robin.
     ("replicas-affinity", "replicas-round-robin"),
 )

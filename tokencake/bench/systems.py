@@ -31,9 +31,9 @@ state.
 ``reserve-off``     ``tokencake`` without the critical reserve (``critical_reserve_frac=0``)
 ``spare-late``      ``tokencake`` with ``critical_spare_late``: an admission past its slack also moves
                     a returning critical session's host-safe chain behind the other free blocks
-``reserve-head``    ``tokencake`` whose critical-reserve wait (and the slack it is held against) counts
-                    from the request's first look at the head of the queue, not its arrival
-                    (connector ``critical_reserve_wait_from=head``)
+``reserve-arrival`` ``tokencake`` whose critical-reserve wait (and the slack it is held against) counts
+                    from the request's arrival, not from its first look at the head of the queue
+                    (connector ``critical_reserve_wait_from=arrival``: the rule before 2026-12-04)
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
 ``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
@@ -204,13 +204,13 @@ SYSTEMS: dict[str, SystemSpec] = {
         scheduler=SPATIAL_SCHEDULER,
         description="tokencake whose late admissions evict other blocks before host-safe critical chains",
     ),
-    "reserve-head": SystemSpec(
-        "reserve-head",
+    "reserve-arrival": SystemSpec(
+        "reserve-arrival",
         stock=False,
         flags=dict(_ALL_ON),
-        connector={"critical_reserve_wait_from": "head"},
+        connector={"critical_reserve_wait_from": "arrival"},
         scheduler=SPATIAL_SCHEDULER,
-        description="tokencake whose critical-reserve wait counts from the head of the queue, not arrival",
+        description="tokencake whose critical-reserve wait counts from arrival, not the head of the queue",
     ),
     "reserve-off": SystemSpec(
         "reserve-off",

@@ -58,11 +58,12 @@ class Options:
     critical_reserve_frac: float = 0.25
     #: ...and only from a request that has waited less than this; after it, the reserve is lent.
     critical_reserve_wait_s: float = 10.0
-    #: Where that wait (and the node's slack it is held against) is counted from: ``"arrival"``
-    #: (the request's arrival, so time queued behind others uses the slack up) or ``"head"`` (the
-    #: scheduler's first look at it: queueing that delays every request, critical ones too, does
-    #: not count; only the wait the reserve itself adds does).
-    critical_reserve_wait_from: str = "arrival"
+    #: Where that wait (and the node's slack it is held against) is counted from: ``"head"`` (the
+    #: scheduler's first look at the request: queueing that delays every request, critical ones
+    #: too, does not spend the slack; only the wait the reserve itself adds does) or ``"arrival"``
+    #: (time queued behind others uses the slack up; before 2026-12-04, bench system
+    #: ``reserve-arrival``). docs/policy.md §7.
+    critical_reserve_wait_from: str = "head"
     #: With ``critical_last``: an admission past its slack (which may not wait for the reserve)
     #: still evicts other free blocks before a returning critical-path session's host-safe chain
     #: (it takes the chain only when nothing else is left); False: host-safe critical chains keep

@@ -69,11 +69,11 @@ SYSTEMS: dict[str, SystemSpec] = {
     "spare-late": SystemSpec(
         "spare-late", "tokencake", options={"critical_spare_late": True}, scheduling="spatial"
     ),
-    # The critical reserve's wait counted from the head of the queue instead of arrival.
-    "reserve-head": SystemSpec(
-        "reserve-head",
+    # The critical reserve's wait counted from arrival (the rule before the queue's head).
+    "reserve-arrival": SystemSpec(
+        "reserve-arrival",
         "tokencake",
-        options={"critical_reserve_wait_from": "head"},
+        options={"critical_reserve_wait_from": "arrival"},
         scheduling="spatial",
     ),
     "offload-all": SystemSpec("offload-all", "offload-all"),

@@ -196,9 +196,9 @@ def test_policy_is_chosen_by_name_and_an_unknown_one_falls_back() -> None:
 
 
 def test_the_reserve_clock_is_chosen_by_name_and_a_bad_one_falls_back() -> None:
-    assert Options().critical_reserve_wait_from == "arrival"
-    assert _options({"critical_reserve_wait_from": " Head"}).critical_reserve_wait_from == "head"
-    assert _options({"critical_reserve_wait_from": "queue"}).critical_reserve_wait_from == "arrival"
+    assert Options().critical_reserve_wait_from == "head"
+    assert _options({"critical_reserve_wait_from": " Arrival"}).critical_reserve_wait_from == "arrival"
+    assert _options({"critical_reserve_wait_from": "queue"}).critical_reserve_wait_from == "head"
 
 
 def test_the_connector_runs_the_configured_policy(build: Any, tmp_path: Any) -> None:

@@ -1218,9 +1218,10 @@ class SchedulerSide:
 
     def _within_slack(self, info: _ReqInfo | None, waited_s: float | None) -> bool:
         """Whether an admission could still have waited without delaying its own app: an agent
-        request on its first admission that has waited less than its node's slack and
-        ``critical_reserve_wait_s``, while requests run. Plain requests, re-admissions (None)
-        and requests past that point could not: an inversion they cause is "late"."""
+        request on its first admission that has waited (``waited_s``, by the reserve's clock:
+        :meth:`_reserve_waited`) less than its node's slack and ``critical_reserve_wait_s``,
+        while requests run. Plain requests, re-admissions (None or inf) and requests past that
+        point could not: an inversion they cause is "late"."""
         if info is None or waited_s is None or self._running == 0:
             return False
         return waited_s < min(info.slack_s, self.opts.critical_reserve_wait_s)
