@@ -24,19 +24,34 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def load_by_path(name: str, relpath: str) -> Any:
+    """A module of this repository loaded from its file (no package import: the device machine
+    may lack the package's dependencies); registered so dataclasses can resolve it."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / relpath)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def load_copy_module() -> Any:
     try:
         from tokencake.serving.vllm import _copy
 
         return _copy
     except Exception:
-        path = ROOT / "tokencake" / "serving" / "vllm" / "_copy.py"
-        spec = importlib.util.spec_from_file_location("tokencake_copy", path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        return mod
+        return load_by_path("tokencake_copy", "tokencake/serving/vllm/_copy.py")
+
+
+def cuda_timed(torch: Any, fn: Any) -> float:
+    """Seconds ``fn`` keeps the current CUDA stream busy (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def cuda_torch(script: str) -> Any:

@@ -25,20 +25,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import cuda_timed as timed
 from gpu_check import cuda_torch, load_copy_module
 
 #: Llama-3-8B bf16 KV: 32 layers, 8 KV heads, head dim 128, 16-token blocks (2 MiB per block).
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
-
-
-def timed(torch: Any, fn: Any) -> float:
-    """Seconds ``fn`` keeps the current stream busy (CUDA events)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def submit(copier: Any, direction: str, n: int, num_dev: int) -> list[Any]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import math
 import statistics
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import cuda_torch
+from gpu_check import cuda_timed, cuda_torch, load_by_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,13 +114,7 @@ def cases(smoke: bool) -> list[Case]:
 
 def load_profiles() -> Any:
     """``tokencake/sim/profiles.py`` loaded by path (it imports only the standard library)."""
-    path = ROOT / "tokencake" / "sim" / "profiles.py"
-    spec = importlib.util.spec_from_file_location("tokencake_sim_profiles", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolves the module of its classes
-    spec.loader.exec_module(mod)
-    return mod
+    return load_by_path("tokencake_sim_profiles", "tokencake/sim/profiles.py")
 
 
 def predicted(profile: Any, case: Case) -> dict[str, float]:
@@ -265,12 +258,7 @@ def timer(torch: Any, on_cuda: bool) -> Callable[[Callable[[], Any]], float]:
     """Seconds one call of ``fn`` takes: CUDA events on the GPU, wall time on the CPU."""
 
     def cuda_time(fn: Callable[[], Any]) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return cuda_timed(torch, fn)
 
     def cpu_time(fn: Callable[[], Any]) -> float:
         t0 = time.perf_counter()
