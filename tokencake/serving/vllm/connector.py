@@ -32,7 +32,7 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +48,7 @@ from tokencake.serving.event_api import EVENTS_API_KEY_ENV, EventServer
 from tokencake.serving.host_pool import blocks_for_gib
 from tokencake.serving.model import tokencake_home
 from tokencake.serving.options import RESERVE_WAIT_FROM
-from tokencake.serving.policies import DEFAULT_POLICY, POLICY_NAMES
+from tokencake.serving.policies import POLICY_NAMES
 from tokencake.serving.profile import PrefillProfile, profile_path
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm import metrics as tc_metrics
@@ -129,6 +129,19 @@ def _timed(hook: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
+def _extra_choice(extra: Mapping[str, Any], name: str, choices: Sequence[str], default: str) -> str:
+    """A named choice from ``kv_connector_extra_config`` (case and spaces ignored); an unknown
+    one keeps ``default`` (logged)."""
+    raw = extra.get(name)
+    if not raw:
+        return default
+    value = str(raw).strip().lower()
+    if value in choices:
+        return value
+    log.warning("TokenCake: unknown %s %r (choose from %s); using %s", name, raw, ", ".join(choices), default)
+    return default
+
+
 def _options(extra: dict[str, Any]) -> Options:
     """Policy knobs from ``kv_connector_extra_config``; a bad value keeps the default (logged)."""
     opts = Options()
@@ -143,26 +156,8 @@ def _options(extra: dict[str, Any]) -> Options:
         "critical_spare_late",
     ):
         setattr(opts, name, _extra_bool(extra, name, getattr(opts, name)))
-    policy = str(extra.get("policy") or DEFAULT_POLICY).strip().lower()
-    if policy in POLICY_NAMES:
-        opts.policy = policy
-    else:
-        log.warning(
-            "TokenCake: unknown policy %r (choose from %s); using %s",
-            policy,
-            ", ".join(POLICY_NAMES),
-            opts.policy,
-        )
-    wait_from = str(extra.get("critical_reserve_wait_from") or opts.critical_reserve_wait_from)
-    if wait_from.strip().lower() in RESERVE_WAIT_FROM:
-        opts.critical_reserve_wait_from = wait_from.strip().lower()
-    else:
-        log.warning(
-            "TokenCake: ignoring critical_reserve_wait_from=%r (choose from %s); using %s",
-            wait_from,
-            ", ".join(RESERVE_WAIT_FROM),
-            opts.critical_reserve_wait_from,
-        )
+    for name, choices in (("policy", POLICY_NAMES), ("critical_reserve_wait_from", RESERVE_WAIT_FROM)):
+        setattr(opts, name, _extra_choice(extra, name, choices, getattr(opts, name)))
     numeric: dict[str, type] = {
         "policy_seed": int,
         "keep_after_end_s": float,
