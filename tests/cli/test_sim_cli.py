@@ -70,6 +70,7 @@ def test_a_sweep_writes_results_and_a_plot(tmp_path: Path, capsys: pytest.Captur
         (["--turns", "0"], "--turns"),
         (["--set", "flops=3"], "NAME=VALUE"),
         (["--set", "step_s=fast"], "not a number"),
+        (["--set", "max_num_seqs=1e400"], "not a number"),
         (["--set", "d2h_bytes_per_s=0"], "> 0"),
     ],
 )

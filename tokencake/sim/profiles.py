@@ -177,7 +177,7 @@ def override(profile: HardwareProfile, assignments: list[str]) -> HardwareProfil
         kind = type(getattr(profile, name))
         try:
             value = kind(float(raw)) if kind is int else float(raw)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise ValueError(f"bad profile override {item!r}: {raw.strip()!r} is not a number") from None
         if not math.isfinite(value) or value < 0 or (value == 0 and name.endswith("bytes_per_s")):
             raise ValueError(f"bad profile override {item!r}: must be a finite number > 0")
