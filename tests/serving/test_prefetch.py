@@ -320,3 +320,6 @@ def test_miss_reasons_name_what_kept_the_chain_off_device() -> None:
     assert miss_reason(plan("on_device"), room_at_arrival=True, deferred=0) == "partial"
     assert miss_reason(plan("evicted", evictions=1), room_at_arrival=True, deferred=0) == "evicted"
     assert miss_reason(plan("prefetching"), room_at_arrival=True, deferred=0) == "prefetching"
+    # Classified before the request came: given up (it came too late), or settled by another.
+    gone = plan("done", classification="unused")
+    assert miss_reason(gone, room_at_arrival=True, deferred=0) == "classified.unused"

@@ -282,3 +282,25 @@ def test_a_partial_prefetch_is_topped_up_once_room_frees() -> None:
     assert all(k in engine.cache.by_key for k in keys)
     assert counters(engine)["prefetch.topups"] == 1
     assert len(ext._holds["a"].blocks) == 3
+
+
+def test_no_room_keeps_a_block_free_per_running_request_as_the_budget_does() -> None:
+    """As the connector: the readiness ``no_room`` test and the prefetch budget share one rule
+    (``_keep_free``), the running requests' one block each included."""
+    opts = Options(policy="tokencake", usage_threshold=0.0, prefetch_reserve_frac=0.0)
+    ext = KVExtension(opts, host_blocks=8)
+    engine = Engine(PROFILE, device_blocks=8, extension=ext, scheduling="fcfs")
+    a = Session("a", "agent", 4)
+    engine.submit(Request(0, a, prompt_tokens=13, output_tokens=1, arrival=0.0, next_tool=("t", 20.0)))
+    run(engine)
+    ext.stall_begin(a, "st1", "t", 20.0)
+    engine.idle_until(engine.now + 0.5)
+    engine.cache.release(engine.cache.allocate(engine.cache.num_free))  # saved, then evicted
+    nxt = Request(1, a, prompt_tokens=17, output_tokens=1, arrival=engine.now)
+    free = engine.cache.num_free
+    engine.running.extend([nxt] * (free - 2))  # two blocks short of the three-block chain
+    assert ext._keep_free() == free - 2
+    assert ext._room_for_chain(nxt) is False
+    engine.running[:] = [nxt] * (free - 3)
+    assert ext._room_for_chain(nxt) is True
+    engine.running.clear()

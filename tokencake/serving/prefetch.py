@@ -67,7 +67,10 @@ def miss_reason(plan: PlannedStall | None, *, room_at_arrival: bool | None, defe
     ``no_room``: running and queued requests held the device at arrival; ``not_planned``: no
     predictive upload was planned; ``early_return``: the tool came back before the upload was due;
     ``deferred``: due, but the budget had no room; ``partial``: only the chain's head was uploaded;
-    ``evicted``: uploaded, then lost; else the plan's state (e.g. ``prefetching``).
+    ``evicted``: uploaded, then lost; ``classified.<class>``: the plan was classified before this
+    request came — given up (``unused``: no request within ``unused_after_s`` of the end;
+    ``expired``: no end in time; ``wasted``: uploaded, never requested) or settled by an earlier
+    request of the session; else the plan's state (e.g. ``prefetching``).
     """
     if room_at_arrival is False:
         return "no_room"
@@ -77,6 +80,8 @@ def miss_reason(plan: PlannedStall | None, *, room_at_arrival: bool | None, defe
         return "deferred" if deferred else "early_return"
     if plan.state in ("on_device", "evicted"):
         return "evicted" if plan.evictions else "partial"
+    if plan.state == "done" and plan.classification is not None:
+        return f"classified.{plan.classification}"
     return plan.state
 
 

@@ -775,6 +775,12 @@ class KVExtension:
         if req.seen_at is not None:
             self.policy.observe_queue_delay(max(self.now - req.arrival, 0.0))
 
+    def _keep_free(self, exclude: Request | None = None) -> int:
+        """Blocks a prefetch must leave free (the connector's ``_keep_free``): the larger of the
+        reserve, one per running request and what the queued requests but ``exclude`` need."""
+        assert self.engine is not None
+        return max(self._reserve(), len(self.engine.running), self.engine.waiting_blocks(exclude=exclude))
+
     def _room_for_chain(self, req: Request) -> bool:
         sid = req.session.session_id
         stall = self._last_stall.get(sid) or self._session_stall.get(sid)
@@ -790,8 +796,7 @@ class KVExtension:
                 own_idle += self.cache.ref[b] == 0
         if missing == 0:  # a chain still whole on device needs no room
             return True
-        queued = self.engine.waiting_blocks(exclude=req)
-        room = self.cache.num_free - own_idle - max(self._reserve(), queued)
+        room = self.cache.num_free - own_idle - self._keep_free(exclude=req)
         if room >= missing:
             return True
         return room + self._held_blocks(lambda other: other != sid) >= missing
@@ -1089,8 +1094,7 @@ class KVExtension:
             self.planner.mark_done(stall.stall_id, now=self.now)
             self.stats["prefetch.not_needed"] += 1
             return
-        reserve = max(self._reserve(), len(self.engine.running))
-        bound = self.cache.num_free - max(reserve, self.engine.waiting_blocks())
+        bound = self.cache.num_free - self._keep_free()
         if bound <= 0:
             stall.deferred += not topup
             return

@@ -1454,7 +1454,7 @@ def test_a_held_prefetch_yields_to_a_request_that_needs_the_room(pool: BlockPool
     a = _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 1.0)
     b = _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 5.0)  # returns last
     assert len(pinned(pool)) == 4 and bp.num_free(pool) == 11
-    big = request("big", chain("w", 1), 12 * BS, session=None)  # 12 blocks + 1 spare: needs 2 more
+    big = request("big", chain("w", 1), 12 * BS, session=None)  # 12 blocks: one more than is free
     side.on_new_request(big)
     side.get_num_new_matched_tokens(big, 0)
     assert "run:B" not in side._kept and "run:A" in side._kept  # B returns last: it goes
@@ -1465,6 +1465,21 @@ def test_a_held_prefetch_yields_to_a_request_that_needs_the_room(pool: BlockPool
     meta = side.build_meta()
     assert [j.kind for j in meta.jobs] == ["prefetch"]
     assert side.planner.stats()["reprefetch_while_running"] == 1
+
+
+def test_a_request_that_fits_the_free_blocks_exactly_releases_no_hold(pool: BlockPool, clock: Clock) -> None:
+    """Admission counts the blocks as vLLM's ``allocate_slots`` does: a prompt that fills the free
+    blocks exactly fits, and no held chain is released for it (the count was one block larger)."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 1.0)
+    free = bp.num_free(pool)
+    fits = request("fits", chain("w", 1), free * BS, session=None)
+    side.on_new_request(fits)
+    assert side.get_num_new_matched_tokens(fits, 0) == 0
+    assert "run:A" in side._kept and side.stats.counter("hold.released.room") == 0
+    taken = bp.allocate(pool, free)  # what vLLM allocates for it: every free block, none held
+    assert len(taken) == free and "run:A" in side._kept
+    bp.release(pool, taken)
 
 
 def test_a_request_waiting_for_its_own_prefetch_releases_no_other_hold(pool: BlockPool, clock: Clock) -> None:
@@ -2149,7 +2164,7 @@ def _reserve_case(
     put_on_host(side, crit)
     side.observe_step(BS, num_running=running)
     prompt = (crit if shares_prompt else []) + chain("n", 1)
-    req = request("n", prompt, (blocks - 1) * BS, session="run:N", slack=slack)
+    req = request("n", prompt, blocks * BS, session="run:N", slack=slack)
     side.on_new_request(req)
     return side, req, crit, other
 
@@ -2455,7 +2470,7 @@ def test_released_holds_go_before_the_spared_critical_chain(pool: BlockPool, clo
     assert all(bp.cached_block(pool, h) is not None for h in crit)
     side.observe_step(BS, num_running=1)
     free = bp.num_free(pool)
-    req = request("n", chain("n", 1), free * BS, session="run:N", slack=30.0)  # needs free + 1
+    req = request("n", chain("n", 1), free * BS + 1, session="run:N", slack=30.0)  # needs free + 1
     side.on_new_request(req)
     assert side.get_num_new_matched_tokens(req, 0) == 0
     assert "run:B" not in side._kept
@@ -2476,6 +2491,27 @@ def test_a_chain_still_on_device_is_never_counted_as_having_no_room(pool: BlockP
     side.on_new_request(big)
     assert all(bp.cached_block(pool, h) is not None for h in hashes)
     assert side._room_for_chain("run:A", "r2") is True
+
+
+def test_no_room_keeps_a_block_free_per_running_request_as_the_prefetch_budget_does(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """``readiness.no_room`` and the prefetch budget share one rule (``_keep_free``): a chain the
+    budget would not upload because the running requests' decode blocks must stay free has no room
+    at arrival either (the readiness test used to leave the running requests' term out)."""
+    side = make_side(pool, clock)
+    hashes = _offloaded_and_evicted(side, pool, clock)
+    free = bp.num_free(pool)
+    side.observe_step(BS, num_running=free - 1)  # one block short for the two-block chain
+    assert side._room_for_chain("run:A", "r2") is False
+    side.observe_step(BS, num_running=free - 2)
+    assert side._room_for_chain("run:A", "r2") is True
+    clock.t += 2.0
+    side.handle_event(end(duration=2.0))
+    side.observe_step(BS, num_running=free)
+    assert side.build_meta().jobs == []  # the budget agrees: no block to spare, nothing uploaded
+    assert side.stats.counter("prefetch.deferred.headroom") == 1
+    assert all(bp.cached_block(pool, h) is None for h in hashes)
 
 
 def test_readiness_is_judged_when_the_request_arrives_not_when_vllm_first_asks(

@@ -1059,6 +1059,14 @@ class SchedulerSide:
             self.opts.prefetch_reserve_blocks, int(self.opts.prefetch_reserve_frac * self.pool.num_gpu_blocks)
         )
 
+    def _keep_free(self, exclude: str | None = None) -> int:
+        """Device blocks a prefetch must leave free: the larger of the reserve, one block per
+        running request (a decode that finds none preempts someone) and what the queued requests
+        (but ``exclude``) need. The prefetch budget and the readiness ``no_room`` test share it, so
+        "no room" means exactly "the budget rule would not have uploaded it"."""
+        queued = sum(n for r, n in self._waiting.items() if r != exclude)
+        return max(self._reserve_blocks(), self._running, queued)
+
     def _make_room(self, request: Request, num_computed_tokens: int) -> bool:
         """A waiting request is about to be allocated: release holds it needs the blocks of (and,
         spatial scheduler on, keep idle critical chains out of its eviction window).
@@ -1075,12 +1083,14 @@ class SchedulerSide:
         info = self._reqs.get(request.request_id)
         own = info.session_id if info is not None else ""
         computed = list(request.block_hashes)[: num_computed_tokens // self.block_size]
-        # vLLM counts a hit block that sits in the free queue against the free blocks too.
+        # vLLM's own test in ``allocate_slots``: the blocks the whole prompt takes beyond its hits,
+        # plus the hits that sit in the free queue (it counts them against the free blocks too).
+        # An upper bound when vLLM schedules only a chunk of the prompt this step.
         evictable = 0
         for h in computed:
             block = bp.cached_block(pool, bytes(h))
             evictable += block is not None and block.ref_cnt == 0
-        need = -(-int(request.num_tokens) // self.block_size) - len(computed) + evictable + 1
+        need = -(-int(request.num_tokens) // self.block_size) - len(computed) + evictable
         waited = self._reserve_waited(request.request_id)
         own_hits = frozenset(bytes(h) for h in computed)
         if self._kept and bp.num_free(pool) < need:
@@ -1433,8 +1443,8 @@ class SchedulerSide:
 
     def _room_for_chain(self, session_id: str, req_id: str) -> bool:
         """Whether the device could take the session's missing chain blocks right now under the
-        prefetch budget rule (free − own idle − max(reserve, what the *other* queued requests
-        need), plus what other sessions' holds would yield). False means even a prefetch issued
+        prefetch budget rule (free − own idle − ``_keep_free`` without this request's own need,
+        plus what other sessions' holds would yield). False means even a prefetch issued
         at this moment would have waited: the request queues for room whatever was prefetched."""
         pool = self.pool
         stall = self._last_stall.get(session_id) or self._active_stall(session_id)
@@ -1449,9 +1459,8 @@ class SchedulerSide:
                 own_idle += block.ref_cnt == 0
         if missing == 0:
             return True  # already on device: nothing to make room for
-        queued = sum(n for r, n in self._waiting.items() if r != req_id)
         yieldable = sum(k.releasable for k in self._kept.values() if k.session_id != session_id)
-        room = bp.num_free(pool) - own_idle - max(self._reserve_blocks(), queued) + yieldable
+        room = bp.num_free(pool) - own_idle - self._keep_free(exclude=req_id) + yieldable
         return room >= missing
 
     def _repeated_chain_on_device(self, session_id: str, request: Request) -> int | None:
@@ -2198,14 +2207,14 @@ class SchedulerSide:
             self.planner.mark_done(stall.stall_id, now=now)
             self.stats.inc("prefetch.not_needed")
             return
-        reserve = max(self._reserve_blocks(), self._running)
-        queued = sum(self._waiting.values())
         # Our own idle cached blocks are counted free by vLLM, but allocating them would break the chain.
-        budget = bp.num_free(pool) - own_idle - max(reserve, queued)
+        budget = bp.num_free(pool) - own_idle - self._keep_free()
         if budget <= 0:
             if topup:
                 return  # tried again next step
             if stall.deferred == 0:
+                queued = sum(self._waiting.values())
+                reserve = max(self._reserve_blocks(), self._running)
                 self.stats.inc(
                     "prefetch.deferred.waiting" if queued > reserve else "prefetch.deferred.headroom"
                 )
