@@ -255,9 +255,9 @@ def test_a_finished_request_leaves_no_arrival_record() -> None:
     assert req.rid not in ext._arrivals
 
 
-def test_a_partial_prefetch_is_topped_up_once_room_frees() -> None:
-    """As the connector: an upload the budget cut to the chain's head brings the rest once the
-    queue's demand leaves room, while the tool still runs (not only at its end)."""
+def _saved_stall() -> tuple[Engine, KVExtension, Session]:
+    """An 8-block device under pressure; session ``a``'s 3-block chain saved on host, its 20 s
+    tool running."""
     opts = Options(policy="tokencake", usage_threshold=0.0, prefetch_reserve_frac=0.0)
     ext = KVExtension(opts, host_blocks=8)
     engine = Engine(PROFILE, device_blocks=8, extension=ext, scheduling="fcfs")
@@ -266,6 +266,13 @@ def test_a_partial_prefetch_is_topped_up_once_room_frees() -> None:
     run(engine)
     ext.stall_begin(a, "st1", "t", 20.0)
     engine.idle_until(engine.now + 0.5)
+    return engine, ext, a
+
+
+def test_a_partial_prefetch_is_topped_up_once_room_frees() -> None:
+    """As the connector: an upload the budget cut to the chain's head brings the rest once the
+    queue's demand leaves room, while the tool still runs (not only at its end)."""
+    engine, ext, a = _saved_stall()
     keys = a.keys(3)
     assert all(ext.host.lookup(k) is not None for k in keys)  # saved
     engine.cache.release(engine.cache.allocate(engine.cache.num_free))  # ... and evicted
@@ -287,14 +294,7 @@ def test_a_partial_prefetch_is_topped_up_once_room_frees() -> None:
 def test_no_room_keeps_a_block_free_per_running_request_as_the_budget_does() -> None:
     """As the connector: the readiness ``no_room`` test and the prefetch budget share one rule
     (``_keep_free``), the running requests' one block each included."""
-    opts = Options(policy="tokencake", usage_threshold=0.0, prefetch_reserve_frac=0.0)
-    ext = KVExtension(opts, host_blocks=8)
-    engine = Engine(PROFILE, device_blocks=8, extension=ext, scheduling="fcfs")
-    a = Session("a", "agent", 4)
-    engine.submit(Request(0, a, prompt_tokens=13, output_tokens=1, arrival=0.0, next_tool=("t", 20.0)))
-    run(engine)
-    ext.stall_begin(a, "st1", "t", 20.0)
-    engine.idle_until(engine.now + 0.5)
+    engine, ext, a = _saved_stall()
     engine.cache.release(engine.cache.allocate(engine.cache.num_free))  # saved, then evicted
     nxt = Request(1, a, prompt_tokens=17, output_tokens=1, arrival=engine.now)
     free = engine.cache.num_free
