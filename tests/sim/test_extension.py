@@ -304,3 +304,19 @@ def test_no_room_keeps_a_block_free_per_running_request_as_the_budget_does() -> 
     engine.running[:] = [nxt] * (free - 3)
     assert ext._room_for_chain(nxt) is True
     engine.running.clear()
+
+
+def test_the_arrival_log_records_the_device_at_each_next_turn() -> None:
+    """``arrival_log`` (opt-in) takes the device's state when the request arrives and marks the
+    entry eligible once the request is accounted (benchmarks/no_room_sim.py reads it)."""
+    engine, ext, a = _saved_stall()
+    ext.arrival_log = []
+    engine.cache.release(engine.cache.allocate(engine.cache.num_free))  # the chain evicted
+    engine.idle_until(engine.now + 20.0)
+    ext.stall_end("st1", 20.0)
+    engine.submit(Request(1, a, prompt_tokens=17, output_tokens=1, arrival=engine.now))
+    run(engine)
+    (entry,) = ext.arrival_log
+    assert entry["chain"] == 3 and entry["running"] == 0 and entry["queued"] == 0
+    assert entry["eligible"] is True and entry["ready"] == "prefetched"  # uploaded before it came
+    assert entry["room"] is True and entry["missing"] == 0

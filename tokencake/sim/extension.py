@@ -94,6 +94,7 @@ class _Arrival:
     loading: bool  # a prefetch of the session was being copied
     device_blocks: int  # leading chain blocks cached on device
     missed_why: str  # ``miss_reason`` from the plan as it stood
+    log: dict[str, Any] | None = None  # its ``arrival_log`` entry, completed when it is accounted
 
 
 @dataclass(eq=False)
@@ -169,6 +170,9 @@ class KVExtension:
         self._loading_sessions: dict[str, _Job] = {}
         #: A session's next turn -> how its chain stood when the request arrived (readiness).
         self._arrivals: dict[int, _Arrival] = {}
+        #: Set to a list to record the device's state at each next-turn arrival (why no room:
+        #: ``benchmarks/no_room_sim.py``); None records nothing.
+        self.arrival_log: list[dict[str, Any]] | None = None
         self._seen_evictions = -1
         self._retries: list[tuple[float, int, _Stall]] = []
         self._retry_seq = itertools.count()
@@ -720,6 +724,7 @@ class KVExtension:
         if stall is None or stall.accounted:
             return
         room = self._room_for_chain(req)
+        log = self._log_arrival(req, stall, room) if self.arrival_log is not None else None
         chain = min(len(stall.keys), (req.prompt_tokens - 1) // self.block_size)
         on_device = 0
         for k in stall.keys[:chain]:
@@ -733,6 +738,7 @@ class KVExtension:
             missed_why=miss_reason(
                 self.planner.get(stall.stall_id), room_at_arrival=room, deferred=stall.deferred
             ),
+            log=log,
         )
 
     def host_match(self, req: Request, first: int, limit: int) -> list[int] | None:
@@ -781,19 +787,44 @@ class KVExtension:
         assert self.engine is not None
         return max(self._reserve(), len(self.engine.running), self.engine.waiting_blocks(exclude=exclude))
 
+    def _chain_state(self, keys: Sequence[Any]) -> tuple[int, int]:
+        """(blocks of the chain missing on device, idle ones cached there)."""
+        missing = own_idle = 0
+        for k in keys:
+            b = self.cache.lookup(k)
+            if b is None:
+                missing += 1
+            else:
+                own_idle += self.cache.ref[b] == 0
+        return missing, own_idle
+
+    def _log_arrival(self, req: Request, stall: _Stall, room: bool) -> dict[str, Any]:
+        assert self.engine is not None and self.arrival_log is not None
+        missing, own_idle = self._chain_state(stall.keys)
+        others = [r for r in self.engine.waiting if r is not req]
+        entry: dict[str, Any] = {
+            "t": self.now,
+            "room": room,
+            "chain": len(stall.keys),
+            "missing": missing,
+            "free": self.cache.num_free - own_idle,  # free blocks not of this chain
+            "running": len(self.engine.running),
+            "queued": len(others),
+            "queued_blocks": self.engine.waiting_blocks(exclude=req),
+            "head_blocks": others[0].queued_blocks if others else 0,
+            "keep_free": self._keep_free(exclude=req),
+            "eligible": False,  # set when the request is accounted (stall longer than its lead)
+        }
+        self.arrival_log.append(entry)
+        return entry
+
     def _room_for_chain(self, req: Request) -> bool:
         sid = req.session.session_id
         stall = self._last_stall.get(sid) or self._session_stall.get(sid)
         if stall is None:
             return True
         assert self.engine is not None
-        missing = own_idle = 0
-        for k in stall.keys:
-            b = self.cache.lookup(k)
-            if b is None:
-                missing += 1
-            else:
-                own_idle += self.cache.ref[b] == 0
+        missing, own_idle = self._chain_state(stall.keys)
         if missing == 0:  # a chain still whole on device needs no room
             return True
         room = self.cache.num_free - own_idle - self._keep_free(exclude=req)
@@ -835,6 +866,8 @@ class KVExtension:
                 self.stats[f"readiness.missed_why.{why}"] += 1
             self.stats["readiness.eligible"] += 1
             self.stats[f"readiness.{ready}"] += 1
+            if arrival is not None and arrival.log is not None:
+                arrival.log.update(eligible=True, ready=ready)
             if arrival is not None and not arrival.room:
                 self.stats["readiness.no_room"] += 1
                 self.stats[f"readiness.no_room_{ready}"] += 1

@@ -162,8 +162,12 @@ def simulate(
     device_blocks: int | None = None,
     host_blocks: int | None = None,
     max_sim_s: float = 1e7,
+    arrival_log: list[dict[str, Any]] | None = None,
 ) -> SimResult:
-    """Replay ``trace`` on ``profile`` with ``system``; deterministic (no randomness in the model)."""
+    """Replay ``trace`` on ``profile`` with ``system``; deterministic (no randomness in the model).
+
+    ``arrival_log``: a list to which the extension appends the device's state at each session's
+    next-turn arrival (``KVExtension.arrival_log``)."""
     started = time.perf_counter()
     spec = SYSTEMS[system] if isinstance(system, str) else system
     blocks = device_blocks or profile.device_blocks
@@ -174,6 +178,8 @@ def simulate(
     if spec.policy is not None:
         ext = KVExtension(Options(policy=spec.policy, **spec.options), host_blocks=hosts)
     engine = Engine(profile, device_blocks=blocks, extension=ext, scheduling=spec.engine_scheduling())
+    if ext is not None:
+        ext.arrival_log = arrival_log  # after ``bind``, which resets the extension's run state
     loop = _Loop(engine, profile)
     for app in trace.apps:
         loop.at(app.arrival_s, lambda a=app: loop.start_app(a))

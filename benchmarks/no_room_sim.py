@@ -1,0 +1,113 @@
+"""Why a returning session's chain had no room on device when its next request arrived.
+
+Issue 9 asks that a session's blocks be on device (or loading) when its next request arrives in
+≥ 80 % of the stalls longer than the transfer lead. On the CPU stress runs most misses are
+``readiness.no_room``: the budget rule (``_keep_free``: the reserve, a block per running request,
+the queue's demand) would not have uploaded the chain. This replays each stored real run's trace
+(the same apps, tools and arrivals) on the simulator's CPU model with the run's device and host
+blocks, logs the device at every eligible arrival (``KVExtension.arrival_log``), and splits the
+no-room arrivals by what filled the device:
+
+* ``chain_exceeds_free``: the chain's missing blocks exceed every free block (evictable cached ones
+  included) — no rule could have had it there without preempting a running request;
+* ``running_floor``: it fits the free blocks but not beside one block per running request;
+* ``queue_demand``: it fits beside the running requests; the queued requests' demand took the room.
+
+    python benchmarks/no_room_sim.py --out docs/bench/sim-no-room.json     # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from tokencake.bench.runner import versions
+from tokencake.sim.presets import from_bench_point
+from tokencake.sim.profiles import get_profile
+from tokencake.sim.run import simulate
+
+RUNS: tuple[str, ...] = (
+    "docs/bench/stress-headclock-results.json",
+    "docs/bench/stress-headclock-shared-results.json",
+)
+CAUSES: tuple[str, ...] = ("chain_exceeds_free", "running_floor", "queue_demand")
+
+
+def cause(entry: dict[str, Any]) -> str:
+    """Which term of the budget left no room for this arrival's missing chain blocks."""
+    if entry["missing"] > entry["free"]:
+        return "chain_exceeds_free"
+    if entry["missing"] > entry["free"] - entry["running"]:
+        return "running_floor"
+    return "queue_demand"
+
+
+def _median(entries: list[dict[str, Any]], key: str) -> float | None:
+    return statistics.median(e[key] for e in entries) if entries else None
+
+
+def summarize(entries: list[dict[str, Any]], device_blocks: int) -> dict[str, Any]:
+    eligible = [e for e in entries if e["eligible"]]
+    no_room = [e for e in eligible if not e["room"]]
+    ready = [e for e in eligible if e.get("ready") != "missed"]
+    return {
+        "device_blocks": device_blocks,
+        "eligible": len(eligible),
+        "ready_rate": len(ready) / len(eligible) if eligible else None,
+        "no_room": len(no_room),
+        "no_room_causes": {c: sum(cause(e) == c for e in no_room) for c in CAUSES},
+        "no_room_median": {
+            k: _median(no_room, k) for k in ("chain", "missing", "free", "running", "queued", "head_blocks")
+        },
+        "eligible_median": {k: _median(eligible, k) for k in ("chain", "free", "running", "queued")},
+    }
+
+
+def replay(path: Path) -> list[dict[str, Any]]:
+    """One row per point of the stored run (its first round's trace, as ``tokencake sim --validate``)."""
+    results = json.loads(path.read_text())
+    server = results["config"]["server"]
+    profile = get_profile("cpu-measured")
+    rows, seen = [], set()
+    for point in results["points"]:
+        label = point.get("base_label", point["label"]).split("#")[0]
+        if label in seen:
+            continue
+        seen.add(label)
+        log: list[dict[str, Any]] = []
+        simulate(
+            from_bench_point(point, "baseline"),
+            profile,
+            "tokencake",
+            device_blocks=server["device_blocks"],
+            host_blocks=server.get("host_pool_blocks") or profile.host_blocks,
+            arrival_log=log,
+        )
+        rows.append({"run": path.name, "point": label, **summarize(log, server["device_blocks"])})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", nargs="*", type=Path, default=[Path(p) for p in RUNS])
+    ap.add_argument("--out", type=Path, default=Path("sim-no-room.json"))
+    args = ap.parse_args()
+    rows = [row for path in args.runs for row in replay(path)]
+    doc = {
+        "kind": "sim-no-room",
+        "versions": versions(),
+        "profile": "cpu-measured",
+        "system": "tokencake",
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
