@@ -99,6 +99,9 @@ def test_tokencake_loads_the_spatial_scheduler_and_spatial_off_does_not():
     kw = server_kwargs(spec, ServerConfig(), Server)
     assert kw["scheduler_cls"] == SPATIAL_SCHEDULER and kw["policy"] == "tokencake"
     assert spec.to_dict()["scheduler"] == SPATIAL_SCHEDULER
+    # The no-pressure cost system is what ``tokencake`` serves, with the ideal's KV.
+    roomy = server_kwargs(resolve_systems(["tokencake-roomy"])[0], ServerConfig(), Server)
+    assert roomy["scheduler_cls"] == SPATIAL_SCHEDULER and roomy["policy"] == "tokencake"
     # The ablation and the other policies pass None: vLLM's own scheduler, not Server's default.
     for name in ("spatial-off", "offload-all", "infercept"):
         off = server_kwargs(resolve_systems([name])[0], ServerConfig(), Server)

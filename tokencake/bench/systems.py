@@ -139,12 +139,15 @@ SYSTEMS: dict[str, SystemSpec] = {
         description="TokenCake with offload + prefetch only",
     ),
     # With the ideal's KV nothing needs offloading, so tokencake-roomy / ideal is what the extension
-    # itself costs (event handling, accounting, any needless copies) when there is no pressure.
+    # itself costs (event handling, accounting, any needless copies) when there is no pressure. It is
+    # ``tokencake`` as served, spatial scheduler included (until 2026-12-04 it ran without it: the
+    # runs stored before then measured the connector under vLLM's priority scheduler).
     "tokencake-roomy": SystemSpec(
         "tokencake-roomy",
         stock=False,
         kv="ideal",
         flags=dict(_ALL_ON),
+        scheduler=SPATIAL_SCHEDULER,
         description="vLLM + TokenCake with the ideal's KV size (no pressure): the extension's own cost",
     ),
     "baseline-priority": SystemSpec(
