@@ -276,3 +276,54 @@ async def test_stall_ids_fit_the_wire_whatever_the_run_id_and_node_names():
     rec = tc.StallRecorder()
     await _mixed_app().run(llm=tc.ScriptedLLM("x"), stall=rec, run_id="r" * 80)
     assert rec.pairs() and all(len(b.stall_id) <= 200 for b, _ in rec.pairs())
+
+
+async def test_the_tool_does_not_wait_for_the_begin_ack_and_the_end_follows_it():
+    """Under asyncio the begin is posted beside the tool: a slow ack no longer delays every tool
+    call, and the server still gets the begin before the end (the end waits for it)."""
+    import time
+
+    order: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body["type"] == "stall_begin":
+            await anyio.sleep(0.5)
+        order.append(body["type"])
+        return httpx.Response(200, json={"ok": True, "status": "recorded"})
+
+    app = tc.App("unheld")
+    started: list[float] = []
+
+    @app.tool(predict_time=0.1)
+    async def t() -> str:
+        started.append(time.perf_counter())
+        return "t"
+
+    @app.agent(tools=[t])
+    async def agent(ctx, inputs):
+        return (await ctx.llm("go")).text
+
+    reporter = tc.HttpStallReporter("http://x:1", transport=httpx.MockTransport(handler))
+    script = {"agent": [[tc.ToolCall(id="1", name="t", arguments={})], "ok"]}
+    t0 = time.perf_counter()
+    result = await app.run(llm=tc.ScriptedLLM(script), stall=reporter)
+    assert result.output == "ok"
+    assert started[0] - t0 < 0.3  # the tool ran while the begin's ack was still on its way
+    assert order == ["stall_begin", "stall_end"] and reporter.sent == 2
+
+
+async def test_closing_the_reporter_finishes_the_begins_still_being_posted():
+    bodies: list[dict] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await anyio.sleep(0.1)
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json={"ok": True, "status": "recorded"})
+
+    reporter = tc.HttpStallReporter("http://x:1", transport=httpx.MockTransport(handler))
+    ev = StallBegin(stall_id="s", session_id="a", run_id="r", node="n", tool="t", ts=0.0)
+    await reporter.begin(ev)
+    assert bodies == []  # posted in the background
+    await reporter.aclose()
+    assert [b["stall_id"] for b in bodies] == ["s"] and reporter.sent == 1

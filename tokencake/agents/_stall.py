@@ -72,6 +72,12 @@ class HttpStallReporter:
     after a timeout events are dropped (counted in ``dropped``) for ``cooldown_s`` so a silent host
     does not add ``timeout`` seconds to every tool call — except the end of a stall whose begin
     was delivered, which is always tried.
+
+    Under asyncio the tool does not wait for ``stall_begin``'s round trip: the begin is posted by a
+    task of its own and ``end`` waits for it before posting, so the server still sees every stall's
+    begin before its end, and its end before the session's next request (the end is awaited). The
+    server acts on a begin over the tool's seconds, not its first milliseconds; the round trip was
+    a cost on every tool call (``docs/benchmarks.md``, no-pressure cost). Other backends await it.
     """
 
     def __init__(
@@ -99,6 +105,8 @@ class HttpStallReporter:
         #: Stalls whose begin the server recorded (oldest first, bounded): their end is sent even
         #: in a cooldown, or the server would hold the session's copies until the stall expires.
         self._delivered: dict[str, None] = {}
+        #: Begins being posted (asyncio), by stall id: ``end`` waits for its stall's.
+        self._begins: dict[str, asyncio.Task[None]] = {}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: LoopLocal[httpx.AsyncClient] = LoopLocal(
             lambda: httpx.AsyncClient(
@@ -107,9 +115,19 @@ class HttpStallReporter:
         )
 
     async def begin(self, ev: StallBegin) -> None:
-        await self._send(ev)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # another backend (trio): post it in line
+            await self._send(ev)
+            return
+        self._begins[ev.stall_id] = loop.create_task(self._send(ev))
+        if len(self._begins) > _MAX_OPEN_STALLS:  # ends that never came: forget the oldest
+            del self._begins[next(iter(self._begins))]
 
     async def end(self, ev: StallEnd) -> None:
+        posting = self._begins.pop(ev.stall_id, None)
+        if posting is not None:
+            await posting  # the server must see the begin first (and _delivered must know it)
         await self._send(ev)
 
     async def _send(self, ev: StallBegin | StallEnd) -> None:
@@ -156,6 +174,15 @@ class HttpStallReporter:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     async def aclose(self) -> None:
+        # Begins still being posted on this loop (their ends never came) finish first: each is
+        # bounded by the timeout, and closing the client under them would turn them into errors.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        pending = [t for t in self._begins.values() if not t.done() and t.get_loop() is loop]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
         client = self._client.current()
         if client is not None:
             await client.aclose()
@@ -227,7 +254,7 @@ class StallScope:
         self.end: StallEnd | None = None
         self.outcome: Outcome | None = None
         self.error: str | None = None
-        #: Seconds the block ran (begin acknowledged -> block done).
+        #: Seconds the block ran (begin sent -> block done).
         self.duration_s = 0.0
         self._send_begin = send_begin
         self._send_end = send_end
