@@ -327,3 +327,33 @@ async def test_closing_the_reporter_finishes_the_begins_still_being_posted():
     assert bodies == []  # posted in the background
     await reporter.aclose()
     assert [b["stall_id"] for b in bodies] == ["s"] and reporter.sent == 1
+
+
+async def test_the_end_is_sent_even_when_posting_its_begin_failed_unexpectedly():
+    sent: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body["type"] == "stall_begin":
+            raise RuntimeError("broken transport")  # not an httpx error: _send does not catch it
+        sent.append(body["type"])
+        return httpx.Response(200, json={"ok": True, "status": "recorded"})
+
+    reporter = tc.HttpStallReporter("http://x:1", transport=httpx.MockTransport(handler))
+    begin = StallBegin(stall_id="s", session_id="a", run_id="r", node="n", tool="t", ts=0.0)
+    await reporter.begin(begin)
+    with pytest.warns(RuntimeWarning, match="broken transport"):
+        await reporter.end(
+            StallEnd(
+                stall_id="s",
+                session_id="a",
+                run_id="r",
+                node="n",
+                tool="t",
+                ts=1.0,
+                outcome="ok",
+                duration_s=1.0,
+            )
+        )
+    assert sent == ["stall_end"] and reporter.failures == 1
+    await reporter.aclose()

@@ -127,7 +127,12 @@ class HttpStallReporter:
     async def end(self, ev: StallEnd) -> None:
         posting = self._begins.pop(ev.stall_id, None)
         if posting is not None:
-            await posting  # the server must see the begin first (and _delivered must know it)
+            # The server must see the begin first (and _delivered must know it). ``wait`` does not
+            # raise the begin's own failure: the end is sent whatever happened to the begin.
+            await asyncio.wait({posting})
+            if not posting.cancelled() and posting.exception() is not None:
+                exc = posting.exception()
+                self._fail(f"{type(exc).__name__}: {exc}")
         await self._send(ev)
 
     async def _send(self, ev: StallBegin | StallEnd) -> None:
