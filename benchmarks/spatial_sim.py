@@ -80,7 +80,7 @@ def _run(trace: Any, profile: Any, weights: SpatialWeights | None, host: int | N
     if weights is None:
         return simulate(trace, profile, SYSTEMS["tokencake"], host_blocks=host)
     original = sim_engine.SpatialScorer
-    sim_engine.SpatialScorer = lambda: SpatialScorer(weights)  # type: ignore[assignment,misc]
+    sim_engine.SpatialScorer = lambda *_args: SpatialScorer(weights)  # type: ignore[assignment,misc]
     try:
         return simulate(trace, profile, replace(SYSTEMS["tokencake"], name="ablation"), host_blocks=host)
     finally:

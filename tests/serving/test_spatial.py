@@ -224,7 +224,37 @@ def test_weights_are_checked_and_apps_bounded() -> None:
     for i, run in enumerate(("a", "b", "c")):
         s.app_started(run, now=float(i))
     assert s.app_started("a", now=10.0) == 10.0  # "a" was dropped (LRU), seen anew
-    assert SpatialScorer().max_overtake_s() == pytest.approx(4000.0 / 3.0)
+    # (highest base 100 − lowest −70 + 30 s of app credit) / (aging 0.01 + app age 0.1)
+    assert SpatialScorer().max_overtake_s() == pytest.approx(200.0 / 0.11)
+
+
+def test_of_two_apps_the_one_that_started_first_goes_first_for_ten_times_their_gap() -> None:
+    """Apps that started a few seconds apart are not served side by side: an older app's requests
+    rank ahead of a younger app's for up to ``app_age / aging`` (10) × the gap between their starts
+    of later arrival. (At aging 0.05 it was 2 ×: the younger app's request below went first.)"""
+    s = SpatialScorer()
+    s.app_started("old", now=0.0)
+    s.app_started("young", now=1.5)
+
+    def key(run: str, arrival: float) -> float:
+        return s.order_key(meta(critical=True, run=run), arrival=arrival, preemptions=0, now=arrival)
+
+    assert key("old", 10.0 + 14.0) < key("young", 10.0)  # 14 s later, within 10 × 1.5 s
+    assert key("old", 10.0 + 16.0) > key("young", 10.0)  # beyond it: the waiting request first
+    before = SpatialScorer(SpatialWeights(aging=0.05))
+    before.app_started("old", now=0.0)
+    before.app_started("young", now=1.5)
+    assert before.order_key(meta(critical=True, run="old"), arrival=24.0, preemptions=0, now=24.0) > (
+        before.order_key(meta(critical=True, run="young"), arrival=10.0, preemptions=0, now=10.0)
+    )
+
+
+def test_a_deployment_can_set_the_aging_of_an_admission_order() -> None:
+    assert admission_weights(None, aging=0.05) == SpatialWeights(aging=0.05)
+    assert admission_weights("continuum", aging=0.5).retained_s == admission_weights("continuum").retained_s
+    assert admission_weights("continuum", aging=0.5).aging == 0.5
+    with pytest.raises(ValueError, match="aging"):
+        admission_weights(None, aging=0.0)
 
 
 def test_continuums_order_is_first_come_first_served_with_retained_programs_first() -> None:

@@ -127,3 +127,19 @@ def test_spatial_scheduling_admits_by_the_spatial_score() -> None:
     done = run(engine)
     assert set(done) == {slack, plain, crit, old}
     assert crit.preemptions == 0  # the victims are the high-priority numbers, as vLLM picks them
+
+
+def test_the_spatial_queue_orders_by_the_kv_policys_admission_and_the_configured_aging() -> None:
+    """As the connector's: Continuum's policy brings Continuum's order, ``admission_aging`` its aging."""
+    from tokencake.serving.options import Options
+    from tokencake.serving.spatial import SpatialWeights, admission_weights
+    from tokencake.sim.extension import KVExtension
+
+    def weights(**opts: object) -> SpatialWeights:
+        ext = KVExtension(Options(**opts), host_blocks=8)  # type: ignore[arg-type]
+        return Engine(PROFILE, device_blocks=8, extension=ext, scheduling="spatial").scorer.weights
+
+    assert Engine(PROFILE, scheduling="spatial").scorer.weights == SpatialWeights()
+    assert weights(policy="tokencake") == SpatialWeights()
+    assert weights(policy="continuum") == admission_weights("continuum")
+    assert weights(policy="tokencake", admission_aging=0.05) == SpatialWeights(aging=0.05)

@@ -31,21 +31,26 @@ among themselves they stay first come, first served; requests of one app too. Ev
 ages is bounded, and the app's head start over its request's arrival is at most ``max_app_age_s``,
 so a request that has waited ``(max_base − min_base + app_age × max_app_age_s) / (aging + app_age)``
 seconds longer than a newcomer ranks ahead of it: :meth:`SpatialScorer.max_overtake_s` is that bound
-(the starvation guarantee: 1,333 s with the defaults).
+(the starvation guarantee: 1,818 s with the defaults).
 
 The weights, and why (``docs/policy.md`` §7 has the measurements):
 
-* ``aging`` (0.05 s per second of waiting) is slow: the critical path's head start lasts 800 s of
-  waiting, so under overload the order stays vLLM's priority order (critical path first, then by
-  slack) for as long as such overloads last, and is still bounded. Over 14 simulated overloaded
-  mixes (``benchmarks/spatial_sim.py``, ``docs/simulation.md`` §6.3) every faster aging lost to
-  vLLM's priority order on mean app E2E (0.25 s/s: 1.04 geometric mean, up to 1.30), because
-  non-critical requests that had waited a few minutes overtook the critical path.
+* ``aging`` (0.01 s per second of waiting) is slow: within an app the critical path's head start
+  lasts 4,000 s of waiting, so under overload the order stays vLLM's priority order (critical path
+  first, then by slack) for as long as such overloads last, and is still bounded. Over 14
+  simulated overloaded mixes (``benchmarks/spatial_sim.py``, ``docs/simulation.md`` §6.3) every
+  faster aging lost to vLLM's priority order on mean app E2E (0.25 s/s: 1.04 geometric mean, up
+  to 1.30), because non-critical requests that had waited a few minutes overtook the critical path.
 * ``app_age`` (0.1 s per second of the app's age, at most 300 s: 30 s of credit) orders requests
   of one class by app, the app that started first first; it stays below ``critical_s`` so an older
   app's non-critical request never outranks a younger app's critical path. With 1 s per second
   (first come first served by app across classes) the critical path waited 1.2 × longer and the
-  mean app E2E was 1.06 × vLLM's order in the simulator (up to 1.41).
+  mean app E2E was 1.06 × vLLM's order in the simulator (up to 1.41). How strictly apps go in
+  order is ``app_age / aging``: an app that started ``d`` seconds earlier goes first for requests
+  that arrived up to ``10 d`` later. At 2 (aging 0.05, until 2026-12-05) apps that started a few
+  seconds apart were served side by side, and on a device that holds a few sessions every app
+  finished late: one real fan-in draw (``unseen-real-6``) held the last app's first turns back
+  43 s while the first two shared the device to the end (``docs/policy.md`` §7).
 * ``critical_s`` (40 s) is as large as the depth, preemption and retained-chain credits together
   (10 s each at most) and more than the slack of most non-critical nodes, so among requests of
   apps of similar age the critical path goes first, as under vLLM's priority scheduler. Without it
@@ -65,7 +70,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokencake.events import RequestMeta
 
@@ -97,7 +102,7 @@ class SpatialWeights:
     critical_s: float = 40.0
     #: Seconds of slack one second of waiting cancels: slow, so the critical path's head start
     #: outlasts minutes of overload (faster aging let waiting non-critical requests overtake it).
-    aging: float = 0.05
+    aging: float = 0.01
     #: Each node still to run after this one (the DAG's remaining depth) counts as this much less slack.
     per_remaining_depth_s: float = 0.5
     max_depth: int = 20
@@ -155,9 +160,11 @@ ADMISSIONS: dict[str, SpatialWeights] = {
 }
 
 
-def admission_weights(name: str | None) -> SpatialWeights:
-    """The weights of admission order ``name`` (unknown or None: the spatial score's)."""
-    return ADMISSIONS.get(name or "spatial", ADMISSIONS["spatial"])
+def admission_weights(name: str | None, *, aging: float | None = None) -> SpatialWeights:
+    """The weights of admission order ``name`` (unknown or None: the spatial score's), with its
+    ``aging`` replaced when given (a deployment knob, ``Options.admission_aging``; must be > 0)."""
+    weights = ADMISSIONS.get(name or "spatial", ADMISSIONS["spatial"])
+    return weights if aging is None else replace(weights, aging=aging)
 
 
 def reserved_sessions(critical_holds: Iterable[tuple[str, float, int]], cap_blocks: int) -> frozenset[str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokencake.events import GraphMeta, RequestMeta
-from tokencake.serving.spatial import SpatialScorer
+from tokencake.serving.spatial import SpatialScorer, admission_weights
 from tokencake.sim.cache import BlockCache
 from tokencake.sim.profiles import HardwareProfile
 
@@ -139,6 +139,10 @@ class Engine:
             # The spatial scheduler's eviction side goes with its admission order (as the
             # connector's ``critical_last``, unless the options keep the order only).
             extension.critical_last = scheduling == "spatial" and extension.opts.critical_last
+            # ...and its admission order is the KV policy's (Continuum's differs), as the connector's.
+            self.scorer = SpatialScorer(
+                admission_weights(extension.policy.admission, aging=extension.opts.admission_aging)
+            )
 
     # ------------------------------------------------------------------ requests
     def submit(self, req: Request) -> None:

@@ -15,6 +15,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from tokencake.events import META_KEY
+from tokencake.serving.spatial import SpatialWeights
 from tokencake.serving.vllm import scheduler as spatial
 from tokencake.serving.vllm.scheduler import ScoredRequestQueue, SpatialScheduler
 
@@ -229,6 +230,12 @@ def test_the_kv_policy_chooses_the_admission_order() -> None:
     sched = SimpleNamespace(connector=SimpleNamespace(sched=side), waiting=FCFSRequestQueue())
     spatial._swap_waiting_queue(sched)
     assert isinstance(sched.waiting, ScoredRequestQueue) and side.critical_last is False
+    assert sched.waiting.scorer.weights == SpatialWeights()
+    # ``admission_aging`` sets the order's aging (bench system ``aging-0.05``).
+    side.opts = Options(admission_aging=0.05)
+    sched = SimpleNamespace(connector=SimpleNamespace(sched=side), waiting=FCFSRequestQueue())
+    spatial._swap_waiting_queue(sched)
+    assert sched.waiting.scorer.weights == SpatialWeights(aging=0.05)
 
     now = 1000.0
     for policy, order in (("tokencake", ["c", "a"]), ("continuum", ["a", "c"])):

@@ -142,6 +142,10 @@ def _extra_choice(extra: Mapping[str, Any], name: str, choices: Sequence[str], d
     return default
 
 
+#: Numeric knobs that must also be non-zero (aging is what keeps waiting requests from starving).
+_POSITIVE = frozenset({"admission_aging"})
+
+
 def _options(extra: dict[str, Any]) -> Options:
     """Policy knobs from ``kv_connector_extra_config``; a bad value keeps the default (logged)."""
     opts = Options()
@@ -170,6 +174,7 @@ def _options(extra: dict[str, Any]) -> Options:
         "job_timeout_s": float,
         "reevaluate_max_s": float,
         "min_waiting": int,
+        "admission_aging": float,
     }
     for name, kind in numeric.items():
         if name not in extra:
@@ -178,6 +183,8 @@ def _options(extra: dict[str, Any]) -> Options:
             value = kind(extra[name])
             if not math.isfinite(value) or value < 0:
                 raise ValueError("must be a finite number >= 0")
+            if name in _POSITIVE and value == 0:
+                raise ValueError("must be > 0")
         except (TypeError, ValueError, OverflowError) as exc:
             log.warning(
                 "TokenCake: ignoring %s=%r (%s); using %s", name, extra[name], exc, getattr(opts, name)
