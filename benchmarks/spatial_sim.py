@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tokencake.serving.spatial import SpatialScorer, SpatialWeights
+from tokencake.serving.spatial import ADMISSIONS, SpatialScorer, SpatialWeights
 from tokencake.sim import engine as sim_engine
 from tokencake.sim.presets import generate
 from tokencake.sim.profiles import get_profile
@@ -72,6 +72,8 @@ VARIANTS: dict[str, SpatialWeights] = {
     "aging-0.25": SpatialWeights(aging=0.25, app_age=0.0),
     "aging-0.05-no-app": SpatialWeights(aging=0.05, app_age=0.0),
     "aging-0.05-app-0.05": SpatialWeights(aging=0.05, app_age=0.05),
+    # The shipped weights until 2026-12-05 (apps that started seconds apart served side by side).
+    "apps-side-by-side": ADMISSIONS["apps-side-by-side"],
 }
 
 

@@ -167,17 +167,19 @@ def test_no_request_is_overtaken_longer_than_the_bound(
 
 def test_a_session_whose_kv_is_held_goes_first_among_equals() -> None:
     s = SpatialScorer()
+    s.app_started("run", now=0.0)  # requests of one app, which started before both arrived
     m = meta(slack=5.0)
     w = s.weights
     held = s.order_key(m, arrival=10.0, preemptions=0, now=10.0, retained=True)
     other = s.order_key(m, arrival=5.0, preemptions=0, now=10.0)
-    assert held < other  # 10 s of retained credit beat 5 s of waiting
+    assert held < other  # 1 s of retained credit beats 5 s of waiting (100 s of it at 0.01 s/s)
     later = 5.0 + w.retained_s / w.aging + 1.0  # bounded: it waited longer than the credit is worth
     assert s.order_key(m, arrival=later, preemptions=0, now=10.0, retained=True) > other
 
 
 def test_a_session_whose_chain_is_saved_on_host_goes_first_among_equals() -> None:
     s = SpatialScorer()
+    s.app_started("run", now=0.0)
     m = meta(slack=5.0)
     w = s.weights
     other = s.order_key(m, arrival=5.0, preemptions=0, now=10.0)
@@ -224,37 +226,50 @@ def test_weights_are_checked_and_apps_bounded() -> None:
     for i, run in enumerate(("a", "b", "c")):
         s.app_started(run, now=float(i))
     assert s.app_started("a", now=10.0) == 10.0  # "a" was dropped (LRU), seen anew
-    # (highest base 100 − lowest −70 + 30 s of app credit) / (aging 0.01 + app age 0.1)
-    assert SpatialScorer().max_overtake_s() == pytest.approx(200.0 / 0.11)
+    # (highest base 100 − lowest −416 + 300 s of app credit) / (aging 0.01 + app age 1)
+    assert SpatialScorer().max_overtake_s() == pytest.approx(816.0 / 1.01)
 
 
-def test_of_two_apps_the_one_that_started_first_goes_first_for_ten_times_their_gap() -> None:
-    """Apps that started a few seconds apart are not served side by side: an older app's requests
-    rank ahead of a younger app's for up to ``app_age / aging`` (10) × the gap between their starts
-    of later arrival. (At aging 0.05 it was 2 ×: the younger app's request below went first.)"""
-    s = SpatialScorer()
+def _two_apps(weights: SpatialWeights, gap: float = 1.5) -> SpatialScorer:
+    s = SpatialScorer(weights)
     s.app_started("old", now=0.0)
-    s.app_started("young", now=1.5)
-
-    def key(run: str, arrival: float) -> float:
-        return s.order_key(meta(critical=True, run=run), arrival=arrival, preemptions=0, now=arrival)
-
-    assert key("old", 10.0 + 14.0) < key("young", 10.0)  # 14 s later, within 10 × 1.5 s
-    assert key("old", 10.0 + 16.0) > key("young", 10.0)  # beyond it: the waiting request first
-    before = SpatialScorer(SpatialWeights(aging=0.05))
-    before.app_started("old", now=0.0)
-    before.app_started("young", now=1.5)
-    assert before.order_key(meta(critical=True, run="old"), arrival=24.0, preemptions=0, now=24.0) > (
-        before.order_key(meta(critical=True, run="young"), arrival=10.0, preemptions=0, now=10.0)
-    )
+    s.app_started("young", now=gap)
+    return s
 
 
-def test_a_deployment_can_set_the_aging_of_an_admission_order() -> None:
-    assert admission_weights(None, aging=0.05) == SpatialWeights(aging=0.05)
-    assert admission_weights("continuum", aging=0.5).retained_s == admission_weights("continuum").retained_s
-    assert admission_weights("continuum", aging=0.5).aging == 0.5
-    with pytest.raises(ValueError, match="aging"):
-        admission_weights(None, aging=0.0)
+def test_every_request_of_the_app_that_started_first_goes_first() -> None:
+    """A fan-in app finishes with its slowest worker: the older app's fresh requests (its join, a
+    worker's first turn) go before a younger app's returning ones, whose chains are saved on host
+    or held on device — though the younger app's request came earlier. (Before 2026-12-05 the
+    10 s credits outweighed 0.1 s per second of the apps' start gap: apps side by side.)"""
+
+    def key(s: SpatialScorer, run: str, arrival: float, **credit: bool) -> float:
+        return s.order_key(
+            meta(critical=True, run=run), arrival=arrival, preemptions=1, now=arrival, **credit
+        )
+
+    s = _two_apps(SpatialWeights())
+    assert key(s, "old", 40.0) < key(s, "young", 20.0, saved=True)
+    assert key(s, "old", 40.0) < key(s, "young", 20.0, retained=True)
+    before = _two_apps(admission_weights("apps-side-by-side"))
+    assert key(before, "old", 40.0) > key(before, "young", 20.0, saved=True)
+    # Bounded: a request that waited 100 × the apps' start gap longer goes first.
+    assert key(s, "old", 20.0 + 160.0) > key(s, "young", 20.0)
+    # Among apps that started together the credits still order: held or saved, then neither.
+    t = _two_apps(SpatialWeights(), gap=0.0)
+    assert key(t, "young", 20.0, retained=True) == key(t, "old", 20.0, saved=True) < key(t, "young", 19.0)
+
+
+def test_an_older_apps_non_critical_request_never_outranks_a_younger_apps_critical_path() -> None:
+    """Not even one with no slack left and every credit, against a critical request with none."""
+    s = SpatialScorer()
+    w = s.weights
+    s.app_started("old", now=0.0)
+    s.app_started("young", now=1000.0)
+    eager = meta(slack=0.0, depth=w.max_depth, run="old")
+    lazy = s.order_key(eager, arrival=1000.0, preemptions=w.max_preemptions, now=1000.0, retained=True)
+    crit = s.order_key(meta(critical=True, run="young"), arrival=1000.0, preemptions=0, now=1000.0)
+    assert crit < lazy
 
 
 def test_continuums_order_is_first_come_first_served_with_retained_programs_first() -> None:

@@ -129,8 +129,8 @@ def test_spatial_scheduling_admits_by_the_spatial_score() -> None:
     assert crit.preemptions == 0  # the victims are the high-priority numbers, as vLLM picks them
 
 
-def test_the_spatial_queue_orders_by_the_kv_policys_admission_and_the_configured_aging() -> None:
-    """As the connector's: Continuum's policy brings Continuum's order, ``admission_aging`` its aging."""
+def test_the_spatial_queue_orders_by_the_kv_policys_admission_or_the_configured_one() -> None:
+    """As the connector's: Continuum's policy brings Continuum's order; ``admission`` names one."""
     from tokencake.serving.options import Options
     from tokencake.serving.spatial import SpatialWeights, admission_weights
     from tokencake.sim.extension import KVExtension
@@ -142,4 +142,6 @@ def test_the_spatial_queue_orders_by_the_kv_policys_admission_and_the_configured
     assert Engine(PROFILE, scheduling="spatial").scorer.weights == SpatialWeights()
     assert weights(policy="tokencake") == SpatialWeights()
     assert weights(policy="continuum") == admission_weights("continuum")
-    assert weights(policy="tokencake", admission_aging=0.05) == SpatialWeights(aging=0.05)
+    assert weights(policy="tokencake", admission="apps-side-by-side") == admission_weights(
+        "apps-side-by-side"
+    )

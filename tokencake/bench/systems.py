@@ -34,8 +34,8 @@ state.
 ``reserve-arrival`` ``tokencake`` whose critical-reserve wait (and the slack it is held against) counts
                     from the request's arrival, not from its first look at the head of the queue
                     (connector ``critical_reserve_wait_from=arrival``: the rule before 2026-12-04)
-``aging-0.05``      ``tokencake`` with the spatial score's aging before 2026-12-05 (connector
-                    ``admission_aging=0.05``: apps that started a few seconds apart served side by side)
+``apps-side-by-side`` ``tokencake`` with the spatial score's weights before 2026-12-05 (connector
+                    ``admission=apps-side-by-side``: apps that started seconds apart served side by side)
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
 ``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
@@ -225,13 +225,13 @@ SYSTEMS: dict[str, SystemSpec] = {
         scheduler=SPATIAL_SCHEDULER,
         description="tokencake without the critical reserve (critical_reserve_frac=0)",
     ),
-    "aging-0.05": SystemSpec(
-        "aging-0.05",
+    "apps-side-by-side": SystemSpec(
+        "apps-side-by-side",
         stock=False,
         flags=dict(_ALL_ON),
-        connector={"admission_aging": 0.05},
+        connector={"admission": "apps-side-by-side"},
         scheduler=SPATIAL_SCHEDULER,
-        description="tokencake with the spatial score's earlier aging (0.05 s/s: weaker app order)",
+        description="tokencake with the spatial score's weights before 2026-12-05 (apps side by side)",
     ),
     "hold-off": SystemSpec(
         "hold-off",

@@ -69,10 +69,9 @@ class Options:
     #: (it takes the chain only when nothing else is left); False: host-safe critical chains keep
     #: their place at the front (a copy brings them back) and only unsaved ones are spared.
     critical_spare_late: bool = False
-    #: With the spatial scheduler on: seconds of score one second of waiting cancels (the score's
-    #: ``aging``, ``tokencake.serving.spatial``); None keeps the admission order's own (0.01 for
-    #: TokenCake's). Larger: requests age faster and apps are served less strictly in order.
-    admission_aging: float | None = None
+    #: With the spatial scheduler on: the admission order (``tokencake.serving.spatial.ADMISSIONS``:
+    #: spatial, apps-side-by-side, continuum); empty: the KV policy's own (``KVPolicy.admission``).
+    admission: str = ""
     #: A request waits at most this long for its session's prefetch copy before loading on demand.
     prefetch_wait_s: float = 1.0
     #: How often a retryable gate decision (no pressure yet, host full) is asked again: every

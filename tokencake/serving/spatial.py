@@ -20,47 +20,56 @@ A score is in seconds of slack; lower is admitted first::
             − retained_s if the session's KV is held on device for it (a keep or a prefetched chain),
               else saved_s if its last chain is saved on host (it resumes with a load)
 
-The app start is when the scorer first saw the app, but never more than ``max_app_age_s`` before the
-request arrived (an app is "old" by at most that much); a plain request is a one-request app that
-started when it arrived. Every request's score falls at the same rate (``app_age + aging`` per
-second), so the order never changes while requests wait: the queue keeps them in a heap by
-:meth:`SpatialScorer.order_key` (the score plus that drift), computed once when a request is queued.
+The app start is the arrival of the first of its requests the scorer saw, but never more than
+``max_app_age_s`` before the request arrived (an app is "old" by at most that much); a plain
+request is a one-request app that started when it arrived. Every request's score falls at the
+same rate (``app_age + aging`` per second), so the order never changes while requests wait: the
+queue keeps them in a heap by :meth:`SpatialScorer.order_key` (the score plus that drift), computed
+once when a request is queued.
 
 Ties go to the earlier arrival, then the request id. Plain requests all have the same base, so
 among themselves they stay first come, first served; requests of one app too. Every term but the
 ages is bounded, and the app's head start over its request's arrival is at most ``max_app_age_s``,
 so a request that has waited ``(max_base − min_base + app_age × max_app_age_s) / (aging + app_age)``
 seconds longer than a newcomer ranks ahead of it: :meth:`SpatialScorer.max_overtake_s` is that bound
-(the starvation guarantee: 1,818 s with the defaults).
+(the starvation guarantee: 808 s with the defaults).
 
-The weights, and why (``docs/policy.md`` §7 has the measurements):
+The weights, and why (``docs/policy.md`` §7 has the measurements). Every term is in seconds of
+the app's time: with ``app_age`` 1 an agent request ranks by when its app started plus the slack its
+node has, so the order is, in turn,
 
-* ``aging`` (0.01 s per second of waiting) is slow: within an app the critical path's head start
-  lasts 4,000 s of waiting, so under overload the order stays vLLM's priority order (critical path
-  first, then by slack) for as long as such overloads last, and is still bounded. Over 14
-  simulated overloaded mixes (``benchmarks/spatial_sim.py``, ``docs/simulation.md`` §6.3) every
-  faster aging lost to vLLM's priority order on mean app E2E (0.25 s/s: 1.04 geometric mean, up
-  to 1.30), because non-critical requests that had waited a few minutes overtook the critical path.
-* ``app_age`` (0.1 s per second of the app's age, at most 300 s: 30 s of credit) orders requests
-  of one class by app, the app that started first first; it stays below ``critical_s`` so an older
-  app's non-critical request never outranks a younger app's critical path. With 1 s per second
-  (first come first served by app across classes) the critical path waited 1.2 × longer and the
-  mean app E2E was 1.06 × vLLM's order in the simulator (up to 1.41). How strictly apps go in
-  order is ``app_age / aging``: an app that started ``d`` seconds earlier goes first for requests
-  that arrived up to ``10 d`` later. At 2 (aging 0.05, until 2026-12-05) apps that started a few
-  seconds apart were served side by side, and on a device that holds a few sessions every app
-  finished late: one real fan-in draw (``unseen-real-6``) held the last app's first turns back
-  43 s while the first two shared the device to the end (``docs/policy.md`` §7).
-* ``critical_s`` (40 s) is as large as the depth, preemption and retained-chain credits together
-  (10 s each at most) and more than the slack of most non-critical nodes, so among requests of
-  apps of similar age the critical path goes first, as under vLLM's priority scheduler. Without it
-  a non-critical request whose chain was held, or whose app was older, overtook critical ones and
-  the critical path waited longer than under priority scheduling (4.5–4.7 s against 3.2–3.4 s,
-  stress/shared at d053b5b).
+* **the critical path first** (``critical_s`` 400 s: more than the largest app-age credit, 300 s,
+  plus all the other credits a request can hold, 16 s, so an older app's non-critical request never
+  outranks a younger app's critical path — first come first served by app *across* classes lost
+  to vLLM's priority order in the simulator: the critical path waited 1.2 × longer, mean app E2E
+  1.06 ×, up to 1.41 ×);
+* **then the app that started first** (``app_age`` 1 s per second, the start taken at most 300 s
+  before the request's arrival). The mean app E2E rewards finishing apps one after another when
+  the device holds only a few sessions; a fan-in app finishes with its slowest worker, so every
+  request of the older app, a fresh one (a join, a worker's first turn) as much as a returning one,
+  goes before the younger app's;
+* **then the credits, as tie-breakers among apps that started about together**: 1 s each for KV
+  held on device for the session (``retained_s``: admitting it uses those blocks before they have
+  to yield, and it needs the fewest new ones) or else its last chain saved on host (``saved_s``: it
+  resumes with a load instead of a prefill, and its pinned host copies go back to the pool sooner;
+  without it, on a host pool smaller than the working set such requests waited while new saves
+  found the pool full, ``docs/simulation.md`` §6.3–§6.4), per preemption (``per_preemption_s``,
+  at most 5) and per node of remaining DAG depth (0.5 s, at most 20);
+* **then arrival** (``aging`` 0.01 s per second of waiting): slow, because it only has to bound
+  starvation (every faster aging lost to vLLM's priority order in the simulator: 0.25 s/s, 1.04 ×
+  geometric mean, up to 1.30 ×).
 
-The KV policy chooses the weights (:func:`admission_weights` of its ``admission``): TokenCake's
-policy the score above; Continuum's the order its paper schedules by, first come first served except
-that a request whose program's KV is retained on device goes first (``CONTINUUM``: every term zero
+Until 2026-12-05 the app's age counted 0.1 s per second against 10 s credits for held or saved
+chains (admission order ``apps-side-by-side``, bench system of the same name): apps that started a
+few seconds apart were served side by side, and a fresh request — the oldest app's join, a worker's
+first turn — waited behind every younger app's returning one. On a real fan-in draw with a device
+that holds three or four sessions (``unseen-real-6``) one app's first turns waited 43 s and every
+app finished late.
+
+The KV policy chooses the weights (:func:`admission_weights` of its ``admission``, unless the
+deployment names one: connector option ``admission``): TokenCake's policy the score above;
+Continuum's the order its paper schedules by, first come first served except that a request whose
+program's KV is retained on device goes first (``CONTINUUM``: every term zero
 but ``retained_s``, so a retained session overtakes for at most ``retained_s`` of waiting).
 
 Pure Python (no vLLM): ``tokencake/serving/vllm/scheduler.py`` applies it inside vLLM's scheduler.
@@ -70,7 +79,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tokencake.events import RequestMeta
 
@@ -97,33 +106,34 @@ class SpatialWeights:
     plain_slack_s: float = 5.0
     #: Slack beyond this is "not urgent" alike.
     max_slack_s: float = 100.0
-    #: A critical-path request's head start (seconds of waiting): as large as all the other credits a
-    #: non-critical request can hold at once, so the critical path goes first, yet it is bounded.
-    critical_s: float = 40.0
-    #: Seconds of slack one second of waiting cancels: slow, so the critical path's head start
-    #: outlasts minutes of overload (faster aging let waiting non-critical requests overtake it).
+    #: A critical-path request's head start: more than the largest app-age credit plus every other
+    #: credit, so the critical path goes first across apps, yet it is bounded.
+    critical_s: float = 400.0
+    #: Seconds of slack one second of waiting cancels: slow, it only bounds starvation (faster aging
+    #: let waiting non-critical requests overtake the critical path).
     aging: float = 0.01
     #: Each node still to run after this one (the DAG's remaining depth) counts as this much less slack.
     per_remaining_depth_s: float = 0.5
     max_depth: int = 20
     #: Of the app's elapsed time (since its first request here), this share counts as slack spent,
     #: the app's start taken at most ``max_app_age_s`` before the request's arrival: within a class
-    #: the app that started first goes first; at most 30 s, below ``critical_s``.
-    app_age: float = 0.1
+    #: the app that started first goes first; at most 300 s, below ``critical_s``.
+    app_age: float = 1.0
     max_app_age_s: float = 300.0
     #: Each time vLLM preempted the request (it lost its KV and work) it moves ahead this much.
-    per_preemption_s: float = 2.0
+    per_preemption_s: float = 1.0
     max_preemptions: int = 5
     #: The session's KV is held on device for it (a keep, or a prefetched chain): admitting it
     #: first uses those blocks before they have to yield, and it needs the fewest new ones.
-    retained_s: float = 10.0
+    retained_s: float = 1.0
     #: Else its last chain is saved on host (at least half of it, from the head): it resumes with a
     #: load instead of a prefill, and — where its stall's plan pins them (an offloaded stall) — its
     #: copies stay pinned while it waits, so admitting it first gives those host slots back to other
     #: sessions' saves. The credit is fixed when the request is queued. Without it, on a host pool
     #: smaller than the working set the order by slack alone let such requests wait while new saves
-    #: found the pool full (simulator, ``docs/simulation.md`` §6.3–§6.4).
-    saved_s: float = 10.0
+    #: found the pool full (simulator, ``docs/simulation.md`` §6.3–§6.4). A tie-breaker: below the
+    #: age gap of apps that started a second or more apart.
+    saved_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.aging > 0:
@@ -145,6 +155,11 @@ class SpatialWeights:
 #: Admission orders a KV policy can ask for (``KVPolicy.admission``).
 ADMISSIONS: dict[str, SpatialWeights] = {
     "spatial": SpatialWeights(),
+    # The spatial score's weights until 2026-12-05: the app's age 0.1 s per second against 10 s
+    # credits, so apps that started seconds apart were served side by side (an ablation).
+    "apps-side-by-side": SpatialWeights(
+        critical_s=40.0, aging=0.05, app_age=0.1, per_preemption_s=2.0, retained_s=10.0, saved_s=10.0
+    ),
     # Continuum: FCFS, but a program whose KV is retained (a TTL pin) is scheduled first.
     "continuum": SpatialWeights(
         aging=1.0,
@@ -160,11 +175,9 @@ ADMISSIONS: dict[str, SpatialWeights] = {
 }
 
 
-def admission_weights(name: str | None, *, aging: float | None = None) -> SpatialWeights:
-    """The weights of admission order ``name`` (unknown or None: the spatial score's), with its
-    ``aging`` replaced when given (a deployment knob, ``Options.admission_aging``; must be > 0)."""
-    weights = ADMISSIONS.get(name or "spatial", ADMISSIONS["spatial"])
-    return weights if aging is None else replace(weights, aging=aging)
+def admission_weights(name: str | None) -> SpatialWeights:
+    """The weights of admission order ``name`` (unknown or None: the spatial score's)."""
+    return ADMISSIONS.get(name or "spatial", ADMISSIONS["spatial"])
 
 
 def reserved_sessions(critical_holds: Iterable[tuple[str, float, int]], cap_blocks: int) -> frozenset[str]:
@@ -212,12 +225,12 @@ class SpatialScorer:
         return slack - w.per_remaining_depth_s * depth
 
     def app_start(self, meta: RequestMeta | None, *, arrival: float, now: float) -> float:
-        """When the request's app counts as started: first seen here, at most ``max_app_age_s``
+        """When the request's app counts as started: its first request's arrival, at most ``max_app_age_s``
         before the request arrived (a plain request is a one-request app: its arrival, and so is
         a request without a ``run_id``: unrelated apps must not pool into one "oldest app")."""
         if meta is None or not meta.run_id:
             return arrival
-        started = self.app_started(meta.run_id, now)
+        started = self.app_started(meta.run_id, min(arrival, now))
         return min(max(started, arrival - self.weights.max_app_age_s), arrival)
 
     def score(
@@ -243,14 +256,14 @@ class SpatialScorer:
         return key - (w.aging + w.app_age) * now
 
     def app_started(self, run_id: str, now: float) -> float:
-        """When a request of app ``run_id`` was first scored here (LRU-bounded to ``max_apps``)."""
+        """When app ``run_id`` started: the earliest ``now`` (its first request's arrival) it was
+        scored with here (LRU-bounded to ``max_apps``)."""
         started = self._app_start.get(run_id)
-        if started is None:
+        if started is None or now < started:
             started = self._app_start[run_id] = now
             while len(self._app_start) > self.max_apps:
                 self._app_start.popitem(last=False)
-        else:
-            self._app_start.move_to_end(run_id)
+        self._app_start.move_to_end(run_id)
         return started
 
     def max_overtake_s(self) -> float:

@@ -141,7 +141,7 @@ class Engine:
             extension.critical_last = scheduling == "spatial" and extension.opts.critical_last
             # ...and its admission order is the KV policy's (Continuum's differs), as the connector's.
             self.scorer = SpatialScorer(
-                admission_weights(extension.policy.admission, aging=extension.opts.admission_aging)
+                admission_weights(extension.opts.admission or extension.policy.admission)
             )
 
     # ------------------------------------------------------------------ requests

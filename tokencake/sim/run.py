@@ -76,9 +76,9 @@ SYSTEMS: dict[str, SystemSpec] = {
         options={"critical_reserve_wait_from": "arrival"},
         scheduling="spatial",
     ),
-    # The spatial score's aging before 2026-12-05 (apps a few seconds apart served side by side).
-    "aging-0.05": SystemSpec(
-        "aging-0.05", "tokencake", options={"admission_aging": 0.05}, scheduling="spatial"
+    # The spatial score's weights before 2026-12-05 (apps that started seconds apart side by side).
+    "apps-side-by-side": SystemSpec(
+        "apps-side-by-side", "tokencake", options={"admission": "apps-side-by-side"}, scheduling="spatial"
     ),
     "offload-all": SystemSpec("offload-all", "offload-all"),
     "continuum": SystemSpec("continuum", "continuum"),

@@ -195,11 +195,10 @@ def test_policy_is_chosen_by_name_and_an_unknown_one_falls_back() -> None:
     assert _options({"keep_after_end_s": "2.5"}).keep_after_end_s == 2.5
 
 
-def test_the_admission_aging_is_a_positive_number_or_the_orders_own() -> None:
-    assert Options().admission_aging is None
-    assert _options({"admission_aging": "0.05"}).admission_aging == 0.05
-    for bad in (0, "0", -1.0, "nan", "fast"):
-        assert _options({"admission_aging": bad}).admission_aging is None, bad
+def test_the_admission_order_is_chosen_by_name_and_a_bad_one_is_the_policys() -> None:
+    assert Options().admission == ""  # the KV policy's own
+    assert _options({"admission": " Apps-Side-By-Side"}).admission == "apps-side-by-side"
+    assert _options({"admission": "lifo"}).admission == ""
 
 
 def test_the_reserve_clock_is_chosen_by_name_and_a_bad_one_falls_back() -> None:

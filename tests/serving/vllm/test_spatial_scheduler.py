@@ -15,7 +15,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from tokencake.events import META_KEY
-from tokencake.serving.spatial import SpatialWeights
+from tokencake.serving.spatial import SpatialWeights, admission_weights
 from tokencake.serving.vllm import scheduler as spatial
 from tokencake.serving.vllm.scheduler import ScoredRequestQueue, SpatialScheduler
 
@@ -178,10 +178,10 @@ def test_a_request_whose_session_kv_is_held_is_admitted_first() -> None:
     q = ScoredRequestQueue(clock=lambda: now, retained=held.__contains__)
     q.add_request(req("a", now - 3, slack=4.0))
     q.add_request(req("b", now, slack=4.0))  # newer, but its prefetched chain waits on device
-    # A plain request is a one-request app: 20 s older than the agents' app, it still goes after
-    # the held session (its 10 s of credit), before the agent request of the younger app.
+    # A plain request is a one-request app: it started 20 s before the agents' app, so it goes
+    # first (the app that started first), then the held session (its credit), then the other.
     q.add_request(req("p", now - 20, plain=True))
-    assert drain(q) == ["b", "p", "a"]
+    assert drain(q) == ["p", "b", "a"]
 
 
 def test_a_request_whose_session_chain_is_saved_on_host_is_admitted_first() -> None:
@@ -231,11 +231,11 @@ def test_the_kv_policy_chooses_the_admission_order() -> None:
     spatial._swap_waiting_queue(sched)
     assert isinstance(sched.waiting, ScoredRequestQueue) and side.critical_last is False
     assert sched.waiting.scorer.weights == SpatialWeights()
-    # ``admission_aging`` sets the order's aging (bench system ``aging-0.05``).
-    side.opts = Options(admission_aging=0.05)
+    # A deployment can name the order (bench system ``apps-side-by-side``).
+    side.opts = Options(admission="apps-side-by-side")
     sched = SimpleNamespace(connector=SimpleNamespace(sched=side), waiting=FCFSRequestQueue())
     spatial._swap_waiting_queue(sched)
-    assert sched.waiting.scorer.weights == SpatialWeights(aging=0.05)
+    assert sched.waiting.scorer.weights == admission_weights("apps-side-by-side") != SpatialWeights()
 
     now = 1000.0
     for policy, order in (("tokencake", ["c", "a"]), ("continuum", ["a", "c"])):

@@ -50,6 +50,7 @@ from tokencake.serving.model import tokencake_home
 from tokencake.serving.options import RESERVE_WAIT_FROM
 from tokencake.serving.policies import POLICY_NAMES
 from tokencake.serving.profile import PrefillProfile, profile_path
+from tokencake.serving.spatial import ADMISSIONS
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm import metrics as tc_metrics
 from tokencake.serving.vllm.metadata import CopyJob, TokenCakeMetadata, TokenCakeWorkerMeta
@@ -142,10 +143,6 @@ def _extra_choice(extra: Mapping[str, Any], name: str, choices: Sequence[str], d
     return default
 
 
-#: Numeric knobs that must also be non-zero (aging is what keeps waiting requests from starving).
-_POSITIVE = frozenset({"admission_aging"})
-
-
 def _options(extra: dict[str, Any]) -> Options:
     """Policy knobs from ``kv_connector_extra_config``; a bad value keeps the default (logged)."""
     opts = Options()
@@ -160,7 +157,11 @@ def _options(extra: dict[str, Any]) -> Options:
         "critical_spare_late",
     ):
         setattr(opts, name, _extra_bool(extra, name, getattr(opts, name)))
-    for name, choices in (("policy", POLICY_NAMES), ("critical_reserve_wait_from", RESERVE_WAIT_FROM)):
+    for name, choices in (
+        ("policy", POLICY_NAMES),
+        ("critical_reserve_wait_from", RESERVE_WAIT_FROM),
+        ("admission", tuple(ADMISSIONS)),
+    ):
         setattr(opts, name, _extra_choice(extra, name, choices, getattr(opts, name)))
     numeric: dict[str, type] = {
         "policy_seed": int,
@@ -174,7 +175,6 @@ def _options(extra: dict[str, Any]) -> Options:
         "job_timeout_s": float,
         "reevaluate_max_s": float,
         "min_waiting": int,
-        "admission_aging": float,
     }
     for name, kind in numeric.items():
         if name not in extra:
@@ -183,8 +183,6 @@ def _options(extra: dict[str, Any]) -> Options:
             value = kind(extra[name])
             if not math.isfinite(value) or value < 0:
                 raise ValueError("must be a finite number >= 0")
-            if name in _POSITIVE and value == 0:
-                raise ValueError("must be > 0")
         except (TypeError, ValueError, OverflowError) as exc:
             log.warning(
                 "TokenCake: ignoring %s=%r (%s); using %s", name, extra[name], exc, getattr(opts, name)

@@ -161,10 +161,12 @@ def _swap_waiting_queue(scheduler: Any) -> None:
     side = getattr(getattr(scheduler, "connector", None), "sched", None)  # the TokenCake connector's
     holds, saved = getattr(side, "holds_kv", None), getattr(side, "saved_kv", None)
     # The KV policy chooses the order (Continuum's differs from TokenCake's score).
-    admission = getattr(getattr(side, "policy", None), "admission", None)
-    aging = getattr(getattr(side, "opts", None), "admission_aging", None)
+    # (unless the deployment names one: ``admission`` in kv_connector_extra_config).
+    admission = getattr(getattr(side, "opts", None), "admission", "") or getattr(
+        getattr(side, "policy", None), "admission", None
+    )
     queue = ScoredRequestQueue(
-        scorer=SpatialScorer(admission_weights(admission, aging=aging)),
+        scorer=SpatialScorer(admission_weights(admission)),
         retained=holds if callable(holds) else None,
         saved=saved if callable(saved) else None,
     )
@@ -174,11 +176,7 @@ def _swap_waiting_queue(scheduler: Any) -> None:
         # Eviction order: critical-path sessions' idle chains go last, their held ones a reserve
         # (unless the deployment keeps only the admission order: ``critical_last=false``).
         side.critical_last = bool(getattr(getattr(side, "opts", None), "critical_last", True))
-    log.info(
-        "TokenCake spatial scheduler on: waiting requests by %s order (aging %g)",
-        admission or "spatial",
-        queue.scorer.weights.aging,
-    )
+    log.info("TokenCake spatial scheduler on: waiting requests by %s order", admission or "spatial")
 
 
 class _ReleasesHoldsOnReset:
