@@ -493,3 +493,18 @@ def test_replicas_systems_merge_every_replicas_metrics_and_stats(fake_server, fa
         # No events listener through a router: the SDK marks requests for derived stalls.
         metas = [b["kv_transfer_params"]["tokencake"] for x in r.servers for b in x.backend.bodies]
         assert all(m.get("stall_events") is False for m in metas)
+
+
+def test_reaggregating_a_stored_run_reproduces_what_the_bench_wrote() -> None:
+    """``benchmarks/reaggregate.py`` only adds pairs: on a run whose systems no new pair names, the
+    recomputed comparisons and aggregate (seeded bootstrap included) equal the stored ones."""
+    import copy
+    import json
+    from pathlib import Path
+
+    from tokencake.bench.runner import reaggregate
+
+    stored = json.loads((Path(__file__).parents[2] / "docs/bench/unseen-real-6-results.json").read_text())
+    again = reaggregate(copy.deepcopy(stored))
+    assert again["aggregate"] == stored["aggregate"]
+    assert [p["comparison"] for p in again["points"]] == [p["comparison"] for p in stored["points"]]

@@ -443,6 +443,9 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("tokencake", "reserve-arrival"),
     # Two replicas behind a router (issue 15): session affinity against round robin.
     ("replicas-affinity", "replicas-round-robin"),
+    # The spatial score's weights against the ones before 2026-12-05.
+    ("tokencake", "apps-side-by-side"),
+    ("apps-side-by-side", "ideal"),
 )
 #: Extension summary fields of the ``tokencake`` system copied into each point's comparison.
 EXTENSION_HEADLINES: tuple[str, ...] = (
@@ -495,6 +498,16 @@ def aggregate(points: list[dict[str, Any]]) -> dict[str, Any]:
             "paired": paired_intervals(rounds),
         }
     return out
+
+
+def reaggregate(results: dict[str, Any]) -> dict[str, Any]:
+    """A stored run's comparisons and aggregate recomputed from its points with this code's
+    :data:`HEADLINE_PAIRS` (a pair added after the run was made); the measurements are untouched."""
+    for p in results["points"]:
+        p["comparison"] = compare(p["systems"])
+    if results.get("aggregate") is not None:
+        results["aggregate"] = aggregate(results["points"])
+    return results
 
 
 def app_pairs(rounds: list[dict[str, Any]], a: str, b: str) -> list[tuple[float, float]]:
