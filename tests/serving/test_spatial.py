@@ -313,3 +313,9 @@ def test_requests_without_a_run_id_do_not_pool_into_one_old_app() -> None:
     late = scorer.order_key(meta(run=""), arrival=1000.0, preemptions=0, now=1000.0)
     fresh = scorer.order_key(meta(run="x"), arrival=1000.0, preemptions=0, now=1000.0)
     assert late == fresh
+
+
+def test_a_request_without_an_arrival_time_does_not_make_its_app_old() -> None:
+    s = SpatialScorer()
+    s.order_key(meta(critical=True, run="a"), arrival=0.0, preemptions=0, now=1000.0)
+    assert s.app_started("a", now=2000.0) == 1000.0  # when it was first seen, not the epoch

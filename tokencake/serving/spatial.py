@@ -230,7 +230,8 @@ class SpatialScorer:
         a request without a ``run_id``: unrelated apps must not pool into one "oldest app")."""
         if meta is None or not meta.run_id:
             return arrival
-        started = self.app_started(meta.run_id, min(arrival, now))
+        # An unknown arrival (0) must not date the app back to the epoch: then it started now.
+        started = self.app_started(meta.run_id, min(arrival, now) if arrival > 0 else now)
         return min(max(started, arrival - self.weights.max_app_age_s), arrival)
 
     def score(
