@@ -74,6 +74,8 @@ VARIANTS: dict[str, SpatialWeights] = {
     "aging-0.05-app-0.05": SpatialWeights(aging=0.05, app_age=0.05),
     # The shipped weights until 2026-12-05 (apps that started seconds apart served side by side).
     "apps-side-by-side": ADMISSIONS["apps-side-by-side"],
+    # The shipped weights with the SDK's slack fixed (a branch that fell behind stays non-critical).
+    "static-slack": ADMISSIONS["static-slack"],
 }
 
 

@@ -319,3 +319,54 @@ def test_a_request_without_an_arrival_time_does_not_make_its_app_old() -> None:
     s = SpatialScorer()
     s.order_key(meta(critical=True, run="a"), arrival=0.0, preemptions=0, now=1000.0)
     assert s.app_started("a", now=2000.0) == 1000.0  # when it was first seen, not the epoch
+
+
+def _branch(session: str, *, critical: bool = False, slack: float = 0.0, run: str = "app") -> RequestMeta:
+    graph = GraphMeta(on_critical_path=critical, slack_s=slack)
+    return RequestMeta(session_id=session, run_id=run, node=session, graph=graph)
+
+
+def test_a_branch_that_queued_past_its_slack_is_on_the_critical_path() -> None:
+    """Slack is how far a branch may fall behind the critical path: queueing longer than the app's
+    critical-path sessions did spends it, and a branch that spent it all ranks as critical."""
+    s = SpatialScorer()
+    s.app_started("app", now=0.0)
+    s.app_started("younger", now=5.0)
+    side, crit = _branch("app:w0", slack=10.0), _branch("app:w1", critical=True)
+    younger_crit = _branch("younger:w1", critical=True, run="younger")
+
+    def key(m: RequestMeta) -> float:
+        return s.order_key(m, arrival=30.0, preemptions=0, now=30.0)
+
+    assert key(younger_crit) < key(side)  # on plan: the slack holds it back
+    s.admitted(crit, request_id="c1", waited_s=4.0)
+    s.admitted(side, request_id="s1", waited_s=12.0)  # 8 s behind: 2 s of slack left
+    assert s.behind_s(side) == 8.0 and key(younger_crit) < key(side)
+    s.admitted(side, request_id="s1", waited_s=13.0)  # the same request again: its last wait counts
+    assert s.lag_s("app:w0") == 13.0
+    s.admitted(side, request_id="s2", waited_s=2.0)  # 11 s behind: past its slack
+    assert s.behind_s(side) == 11.0
+    assert key(side) < key(younger_crit)  # critical now, and its app started first
+    assert key(side) == key(crit)
+    # Queueing alike is no lag: the critical path waited as long.
+    s.admitted(crit, request_id="c2", waited_s=11.0)
+    assert s.behind_s(side) == 0.0 and key(younger_crit) < key(side)
+
+
+def test_with_the_slack_fixed_a_late_branch_stays_behind() -> None:
+    s = SpatialScorer(admission_weights("static-slack"))
+    side = _branch("app:w0", slack=10.0)
+    s.admitted(side, request_id="s1", waited_s=100.0)
+    crit = _branch("other:w1", critical=True, run="other")
+    s.app_started("app", now=0.0)
+    s.app_started("other", now=0.0)
+    assert s.order_key(crit, arrival=5.0, preemptions=0, now=5.0) < s.order_key(
+        side, arrival=5.0, preemptions=0, now=5.0
+    )
+
+
+def test_plain_requests_and_unknown_sessions_have_no_lag() -> None:
+    s = SpatialScorer()
+    s.admitted(None, request_id="p", waited_s=50.0)
+    s.admitted(RequestMeta(session_id="x", run_id="", node="n"), request_id="q", waited_s=50.0)
+    assert s.lag_s("x") == 0.0 and s.behind_s(_branch("y", slack=3.0)) == 0.0

@@ -446,6 +446,8 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     # The spatial score's weights against the ones before 2026-12-05.
     ("tokencake", "apps-side-by-side"),
     ("apps-side-by-side", "ideal"),
+    ("tokencake", "static-slack"),
+    ("static-slack", "ideal"),
 )
 #: Extension summary fields of the ``tokencake`` system copied into each point's comparison.
 EXTENSION_HEADLINES: tuple[str, ...] = (

@@ -36,6 +36,8 @@ state.
                     (connector ``critical_reserve_wait_from=arrival``: the rule before 2026-12-04)
 ``apps-side-by-side`` ``tokencake`` with the spatial score's weights before 2026-12-05 (connector
                     ``admission=apps-side-by-side``: apps that started seconds apart served side by side)
+``static-slack``    ``tokencake`` with the SDK's slack fixed (connector ``admission=static-slack``): a
+                    branch that queued past its slack is not moved to the critical path
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
 ``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
@@ -232,6 +234,14 @@ SYSTEMS: dict[str, SystemSpec] = {
         connector={"admission": "apps-side-by-side"},
         scheduler=SPATIAL_SCHEDULER,
         description="tokencake with the spatial score's weights before 2026-12-05 (apps side by side)",
+    ),
+    "static-slack": SystemSpec(
+        "static-slack",
+        stock=False,
+        flags=dict(_ALL_ON),
+        connector={"admission": "static-slack"},
+        scheduler=SPATIAL_SCHEDULER,
+        description="tokencake with the SDK's slack fixed (a late branch is not moved to the critical path)",
     ),
     "hold-off": SystemSpec(
         "hold-off",

@@ -12,9 +12,13 @@ the priority scheduler gives it (``critical_s``), but only a bounded one.
 A score is in seconds of slack; lower is admitted first::
 
     base  = plain_slack_s                                   a plain request (no TokenCake metadata)
-          = min(slack / importance, max_slack_s)            an agent request; slack = 0 on the
+          = min(left / importance, max_slack_s)             an agent request; left = 0 on the
             − critical_s if the node is on the critical path             critical path, else the
-            − per_remaining_depth_s × min(remaining_depth, max_depth)    node's slack
+              or its branch has spent its slack                          node's slack − behind
+            − per_remaining_depth_s × min(remaining_depth, max_depth)
+
+    behind = lag_spends_slack × max(0, the session's queue waits so far
+                                       − the most any critical-path session of its app waited)
     score = base − app_age × (now − app start) − aging × waited
             − per_preemption_s × min(preemptions, max_preemptions)
             − retained_s if the session's KV is held on device for it (a keep or a prefetched chain),
@@ -55,6 +59,14 @@ node has, so the order is, in turn,
   without it, on a host pool smaller than the working set such requests waited while new saves
   found the pool full, ``docs/simulation.md`` §6.3–§6.4), per preemption (``per_preemption_s``,
   at most 5) and per node of remaining DAG depth (0.5 s, at most 20);
+* **the critical path is the one the app is on now, not only the one planned**: the SDK's slack
+  says how far a branch may fall behind the critical path before it delays the app; every second
+  its session queued here beyond what the app's critical-path sessions queued spends a second of
+  it (``lag_spends_slack``), and a branch that has spent it all ranks as critical from its next
+  request on. (Queueing alike spends nothing: the whole app is late then, not the branch.) With
+  the slack fixed (admission order ``static-slack``), an app's "non-critical" worker that kept
+  losing the queue to younger apps' critical requests became its slowest: in the simulator's 14
+  mixes the dynamic rule is 0.976 × the fixed one in geometric mean (0.88–1.03) (``docs/policy.md`` §7);
 * **then arrival** (``aging`` 0.01 s per second of waiting): slow, because it only has to bound
   starvation (every faster aging lost to vLLM's priority order in the simulator: 0.25 s/s, 1.04 ×
   geometric mean, up to 1.30 ×).
@@ -126,6 +138,12 @@ class SpatialWeights:
     #: The session's KV is held on device for it (a keep, or a prefetched chain): admitting it
     #: first uses those blocks before they have to yield, and it needs the fewest new ones.
     retained_s: float = 1.0
+    #: Seconds of slack one second of a branch's extra queueing spends: a node's slack is what it
+    #: may fall behind the critical path, so when its session has waited in this queue longer than
+    #: the app's critical-path sessions did, the difference comes off its slack — and a branch that
+    #: has spent it all is on the critical path now (the static path was only the plan). 0: the
+    #: slack the SDK sent, fixed (the order before 2026-12-05's second change).
+    lag_spends_slack: float = 1.0
     #: Else its last chain is saved on host (at least half of it, from the head): it resumes with a
     #: load instead of a prefill, and — where its stall's plan pins them (an offloaded stall) — its
     #: copies stay pinned while it waits, so admitting it first gives those host slots back to other
@@ -147,6 +165,7 @@ class SpatialWeights:
             "per_preemption_s",
             "retained_s",
             "saved_s",
+            "lag_spends_slack",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -158,8 +177,16 @@ ADMISSIONS: dict[str, SpatialWeights] = {
     # The spatial score's weights until 2026-12-05: the app's age 0.1 s per second against 10 s
     # credits, so apps that started seconds apart were served side by side (an ablation).
     "apps-side-by-side": SpatialWeights(
-        critical_s=40.0, aging=0.05, app_age=0.1, per_preemption_s=2.0, retained_s=10.0, saved_s=10.0
+        critical_s=40.0,
+        aging=0.05,
+        app_age=0.1,
+        per_preemption_s=2.0,
+        retained_s=10.0,
+        saved_s=10.0,
+        lag_spends_slack=0.0,
     ),
+    # The spatial score with the SDK's slack fixed: a branch that fell behind stays non-critical.
+    "static-slack": SpatialWeights(lag_spends_slack=0.0),
     # Continuum: FCFS, but a program whose KV is retained (a TTL pin) is scheduled first.
     "continuum": SpatialWeights(
         aging=1.0,
@@ -171,6 +198,7 @@ ADMISSIONS: dict[str, SpatialWeights] = {
         per_preemption_s=0.0,
         retained_s=30.0,
         saved_s=0.0,
+        lag_spends_slack=0.0,
     ),
 }
 
@@ -210,6 +238,10 @@ class SpatialScorer:
     weights: SpatialWeights = field(default_factory=SpatialWeights)
     max_apps: int = 4096
     _app_start: OrderedDict[str, float] = field(default_factory=OrderedDict, init=False, repr=False)
+    #: Per session: [its last request's id, that request's queue wait, the waits before it].
+    _lag: OrderedDict[str, list] = field(default_factory=OrderedDict, init=False, repr=False)
+    #: Per app: the most a critical-path session of it has waited in this queue, in all.
+    _critical_lag: OrderedDict[str, float] = field(default_factory=OrderedDict, init=False, repr=False)
 
     def base(self, meta: RequestMeta | None) -> float:
         """The part of the score fixed by the request itself (DAG position, importance)."""
@@ -217,12 +249,51 @@ class SpatialScorer:
         if meta is None:
             return w.plain_slack_s
         graph = meta.graph
-        if graph.on_critical_path:
+        spent = w.lag_spends_slack * self.behind_s(meta)
+        left = max(graph.slack_s, 0.0) - spent
+        if graph.on_critical_path or (spent > 0.0 and left <= 0.0):
             slack = -w.critical_s
         else:
-            slack = min(max(graph.slack_s, 0.0) / max(meta.importance, 1e-3), w.max_slack_s)
+            slack = min(left / max(meta.importance, 1e-3), w.max_slack_s)
         depth = min(max(graph.remaining_depth, 0), w.max_depth)
         return slack - w.per_remaining_depth_s * depth
+
+    def lag_s(self, session_id: str) -> float:
+        """Seconds the session's requests have waited in this queue, in all (those it saw leave)."""
+        lag = self._lag.get(session_id)
+        return 0.0 if lag is None else lag[1] + lag[2]
+
+    def behind_s(self, meta: RequestMeta) -> float:
+        """How much longer the session has queued than its app's critical path (0 for a plain or
+        critical request): the slack its branch has spent."""
+        if not meta.run_id or meta.graph.on_critical_path:
+            return 0.0
+        return max(self.lag_s(meta.session_id) - self._critical_lag.get(meta.run_id, 0.0), 0.0)
+
+    def admitted(self, meta: RequestMeta | None, *, request_id: str, waited_s: float) -> None:
+        """A request left the queue after ``waited_s``: count it in its session's lag.
+
+        The same request may leave more than once (vLLM puts back one it skipped this step): the
+        last wait counts, once. LRU-bounded like the app starts.
+        """
+        if meta is None or not meta.run_id:
+            return
+        sid = meta.session_id
+        lag = self._lag.get(sid)
+        if lag is None:
+            lag = self._lag[sid] = [request_id, 0.0, 0.0]
+            while len(self._lag) > self.max_apps * 8:
+                self._lag.popitem(last=False)
+        elif lag[0] != request_id:
+            lag[0], lag[2] = request_id, lag[1] + lag[2]
+        lag[1] = max(waited_s, 0.0)
+        self._lag.move_to_end(sid)
+        if meta.graph.on_critical_path:
+            run = meta.run_id
+            self._critical_lag[run] = max(self._critical_lag.get(run, 0.0), self.lag_s(sid))
+            self._critical_lag.move_to_end(run)
+            while len(self._critical_lag) > self.max_apps:
+                self._critical_lag.popitem(last=False)
 
     def app_start(self, meta: RequestMeta | None, *, arrival: float, now: float) -> float:
         """When the request's app counts as started: its first request's arrival, at most ``max_app_age_s``

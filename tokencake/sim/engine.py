@@ -289,6 +289,7 @@ class Engine:
                 skipped.append(self._dequeue())  # it waits a step for the critical reserve
                 continue
             self._dequeue()
+            self.scorer.admitted(self._meta(req), request_id=str(req.rid), waited_s=now - req.arrival)
             self.cache.touch(hit)
             req.blocks = hit + self.cache.allocate(want)
             if self.ext is not None and self.cache.last_evicted:
@@ -373,10 +374,7 @@ class Engine:
         device or saved on host."""
         if self.scheduling == "priority":
             return (float(req.priority), req.arrival, req.rid)
-        meta = None
-        if req.run_id:
-            graph = GraphMeta(on_critical_path=req.priority == 0, slack_s=float(req.priority))
-            meta = RequestMeta(session_id=req.session.session_id, run_id=req.run_id, node="", graph=graph)
+        meta = self._meta(req)
         sid = req.session.session_id
         held = self.ext is not None and self.ext.holds_kv(sid)
         saved = not held and self.ext is not None and self.ext.saved_kv(sid)
@@ -384,6 +382,15 @@ class Engine:
             meta, arrival=req.arrival, preemptions=req.preemptions, now=self.now, retained=held, saved=saved
         )
         return (key, req.arrival, req.rid)
+
+    @staticmethod
+    def _meta(req: Request) -> RequestMeta | None:
+        """What a trace knows of the request's node: on the critical path when its priority is 0,
+        else its priority as seconds of slack; None for a plain request."""
+        if not req.run_id:
+            return None
+        graph = GraphMeta(on_critical_path=req.priority == 0, slack_s=float(req.priority))
+        return RequestMeta(session_id=req.session.session_id, run_id=req.run_id, node="", graph=graph)
 
     def _dequeue(self) -> Request:
         req = self.waiting.popleft()

@@ -80,6 +80,9 @@ SYSTEMS: dict[str, SystemSpec] = {
     "apps-side-by-side": SystemSpec(
         "apps-side-by-side", "tokencake", options={"admission": "apps-side-by-side"}, scheduling="spatial"
     ),
+    "static-slack": SystemSpec(
+        "static-slack", "tokencake", options={"admission": "static-slack"}, scheduling="spatial"
+    ),
     "offload-all": SystemSpec("offload-all", "offload-all"),
     "continuum": SystemSpec("continuum", "continuum"),
     "infercept": SystemSpec("infercept", "infercept"),

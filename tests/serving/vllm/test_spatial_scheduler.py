@@ -15,18 +15,24 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from tokencake.events import META_KEY
-from tokencake.serving.spatial import SpatialWeights, admission_weights
+from tokencake.serving.spatial import SpatialScorer, SpatialWeights, admission_weights
 from tokencake.serving.vllm import scheduler as spatial
 from tokencake.serving.vllm.scheduler import ScoredRequestQueue, SpatialScheduler
 
 
 def req(
-    rid: str, arrival: float, *, critical: bool = False, slack: float = 0.0, plain: bool = False
+    rid: str,
+    arrival: float,
+    *,
+    critical: bool = False,
+    slack: float = 0.0,
+    plain: bool = False,
+    session: str | None = None,
 ) -> Request:
     extra: dict[str, Any] = {}
     if not plain:
         graph = {"on_critical_path": critical, "slack_s": slack}
-        meta = {"session_id": f"run:{rid}", "run_id": "run", "node": rid, "graph": graph}
+        meta = {"session_id": session or f"run:{rid}", "run_id": "run", "node": rid, "graph": graph}
         extra = {"kv_transfer_params": {META_KEY: meta}}
     params = SamplingParams(max_tokens=4, extra_args=extra)
     return Request(rid, [1, 2, 3], params, None, arrival_time=arrival, priority=0)
@@ -170,6 +176,26 @@ def test_put_back_and_removed_requests() -> None:
     q.remove_request(a)
     q.remove_requests({c})
     assert drain(q) == ["b"] and not q and len(q) == 0
+
+
+def test_a_branch_that_queued_past_its_slack_goes_with_the_critical_path() -> None:
+    """The queue tells the score how long each request waited: a branch that fell behind the
+    critical path by more than its slack is critical from its next request on."""
+    now = 1000.0
+    q = ScoredRequestQueue(clock=lambda: now)
+    first = req("w0-1", now - 12, slack=10.0, session="run:w0")
+    q.add_request(first)
+    assert q.pop_request() is first  # waited 12 s; the critical path not at all
+    q.add_request(req("w1-2", now - 1, critical=True, session="run:w1"))
+    q.add_request(req("w0-2", now, slack=10.0, session="run:w0"))
+    q.add_request(req("w2-1", now - 5, slack=10.0, session="run:w2"))  # on plan: its slack holds
+    assert drain(q) == ["w1-2", "w0-2", "w2-1"]
+    static = ScoredRequestQueue(scorer=SpatialScorer(admission_weights("static-slack")), clock=lambda: now)
+    static.add_request(first)
+    static.pop_request()
+    static.add_request(req("w0-2", now, slack=10.0, session="run:w0"))
+    static.add_request(req("w2-1", now - 5, slack=10.0, session="run:w2"))
+    assert drain(static) == ["w2-1", "w0-2"]
 
 
 def test_a_request_whose_session_kv_is_held_is_admitted_first() -> None:

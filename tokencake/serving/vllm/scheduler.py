@@ -67,7 +67,9 @@ class ScoredRequestQueue(RequestQueue):
 
     The key is fixed when a request is queued (:meth:`SpatialScorer.order_key`): aging is in it
     through the arrival time, so a heap keeps the order every later score would give. A request
-    put back (``prepend``: preempted, or skipped this step) is keyed again with its preemptions.
+    put back (``prepend``: preempted, or skipped this step) is keyed again with its preemptions
+    and its session's lag. Each pop tells the scorer how long the request waited (its branch's
+    lag, :meth:`SpatialScorer.admitted`).
     """
 
     def __init__(
@@ -120,7 +122,15 @@ class ScoredRequestQueue(RequestQueue):
     def pop_request(self) -> Request:
         if not self._heap:
             raise IndexError("pop from an empty queue")
-        return heapq.heappop(self._heap)[-1]
+        request = heapq.heappop(self._heap)[-1]
+        # Its wait counts in its session's lag (the slack its branch spent); vLLM pops a request
+        # it then skips as well, and queues it again: the scorer counts the last wait only.
+        arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)
+        if arrival > 0:
+            self.scorer.admitted(
+                request_meta(request), request_id=str(request.request_id), waited_s=self.clock() - arrival
+            )
+        return request
 
     def peek_request(self) -> Request:
         if not self._heap:
