@@ -113,6 +113,8 @@ def test_totals_map_stats_counters_and_prefetch_outcomes() -> None:
         "stalls.decision.no_pressure": 1,
         "errors.build_connector_meta": 1,
         "errors.": 5,  # no hook name: ignored
+        "preemptions.kept.holds": 2,
+        "preemptions.held_blocks": 9,  # not exported
     }
     planner = {"on_time": 1, "late": 0, "wasted": 2, "planned": 3}
     assert m.connector_totals(counters, planner) == {
@@ -129,6 +131,7 @@ def test_totals_map_stats_counters_and_prefetch_outcomes() -> None:
         "gate_decisions/offload": 1,
         "gate_decisions/no_pressure": 1,
         "errors/build_connector_meta": 1,
+        "preemption_steps/holds": 2,
         "prefetch_outcomes/on_time": 1,
         "prefetch_outcomes/wasted": 2,
     }

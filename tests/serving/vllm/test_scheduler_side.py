@@ -1088,6 +1088,10 @@ def test_early_save_keeps_the_tail_that_eviction_would_take(pool: BlockPool, clo
     finish_turn(side, pool, hashes, next_tool=10.0)  # the request announced a 10 s tool call
     (job,) = (meta := side.build_meta()).jobs
     assert job.kind == "offload" and len(job.device_blocks) == 4
+    # A preemption while the copy is in flight counts the blocks it keeps out of the free queue.
+    side.observe_step(BS, num_running=1, preempted={"x"})
+    assert side.stats.counter("preemptions.kept.offload_pins") == 1
+    assert side.stats.counter("preemptions.offload_pinned_blocks") == 4
     evict_all(pool)  # pressure before stall_begin reaches the engine: the pinned blocks survive
     assert all(bp.cached_block(pool, h) is not None for h in hashes)
     answer(side, meta)
@@ -2436,6 +2440,16 @@ def test_a_preempted_request_counts_as_waiting_so_an_idle_engine_releases_holds(
     side.observe_step(4 * BS, num_running=1)
     side.observe_step(0, num_running=0, preempted={"p"})
     assert side._waiting == {"p": 4}
+    # What the extension kept out of the free queue when vLLM preempted: the hold, no copy pins.
+    assert (
+        side.stats.counter("preemptions.requests") == 1 and side.stats.counter("preemptions.kept.holds") == 1
+    )
+    assert side.stats.counter("preemptions.held_blocks") > 0
+    assert (
+        side.stats.counter("preemptions.kept.offload_pins")
+        == side.stats.counter("preemptions.kept.none")
+        == 0
+    )
     side.build_meta()
     assert "run:A" not in side._kept and side.stats.counter("hold.released.pressure") == 1
     side.request_finished(req)  # aborted while waiting: nothing left behind

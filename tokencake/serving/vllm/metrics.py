@@ -120,6 +120,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "Spatial: engine steps a non-critical agent request waited (within its slack) rather than "
         "evict a critical-path session's idle KV.",
     ),
+    MetricSpec(
+        "preemption_steps",
+        "Engine steps in which vLLM preempted running requests, by what the extension kept out of "
+        "vLLM's free queue then (offload_pins: copies in flight; holds: chains held for sessions; "
+        "none: a preemption stock vLLM would have had too).",
+        "kept",
+        ("offload_pins", "holds", "none"),
+    ),
     MetricSpec("errors", "Exceptions caught (and survived) in TokenCake hooks, by hook.", "hook"),
 )
 SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
@@ -146,6 +154,7 @@ _PREFIXED: dict[str, str] = {
     "events.": "stall_events",
     "stalls.decision.": "gate_decisions",
     "errors.": "errors",
+    "preemptions.kept.": "preemption_steps",
 }
 
 

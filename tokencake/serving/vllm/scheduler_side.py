@@ -1930,10 +1930,13 @@ class SchedulerSide:
         ``preempted``: ids of requests vLLM put back in its waiting queue this step. vLLM tells the
         connector nothing else about them, and a hold must not keep them waiting while the engine
         idles (``_tick_keeps``), nor a prefetch take the room they need."""
+        preempted = list(preempted)
         for req_id in preempted:
             request = self._admitted.get(req_id)
             if request is not None:
                 self._waiting[req_id] = -(-int(request.num_tokens) // self.block_size)
+        if preempted:
+            self._attribute_preemptions(len(preempted))
         t = self.clock() if now is None else now
         n = max(0, int(num_scheduled_tokens))
         self._running = max(0, int(num_running))
@@ -1948,6 +1951,29 @@ class SchedulerSide:
             self._step_gaps.append(gap)
             self.profile.observe_step(last[1], gap)
         self._last_step = (t, n)
+
+    def _attribute_preemptions(self, n: int) -> None:
+        """vLLM preempted ``n`` running requests this step (a running request found no free block):
+        count what the extension kept out of the free queue at that moment — device blocks pinned
+        by offload copies in flight (early saves, stall offloads: stock vLLM would have had them
+        free or evictable) and those held for sessions (keeps, prefetched chains). A preemption
+        with neither would have happened on stock vLLM too (``preemptions.kept.none``)."""
+        pinned = sum(
+            len(job.device_blocks)
+            for job in self._jobs.values()
+            if job.kind == "offload" and job.device_owned and not job.released
+        )
+        held = sum(len(k.blocks) for k in self._kept.values())
+        self.stats.inc("preemptions.requests", n)
+        self.stats.inc("preemptions.steps")
+        if pinned:
+            self.stats.inc("preemptions.kept.offload_pins")
+            self.stats.inc("preemptions.offload_pinned_blocks", pinned)
+        if held:
+            self.stats.inc("preemptions.kept.holds")
+            self.stats.inc("preemptions.held_blocks", held)
+        if not pinned and not held:
+            self.stats.inc("preemptions.kept.none")
 
     def _mean_step_s(self) -> float:
         """Mean duration of the recent engine steps that ran work (0 before two such steps)."""
