@@ -270,3 +270,16 @@ def test_the_kv_policy_chooses_the_admission_order() -> None:
         q.add_request(req("a", now - 5, slack=60.0))
         q.add_request(req("c", now, critical=True))
         assert drain(q) == order, policy
+
+
+def test_a_failing_lag_count_costs_the_lag_not_the_engine() -> None:
+    now = 1000.0
+    q = ScoredRequestQueue(clock=lambda: now)
+
+    def broken(*_args: Any, **_kw: Any) -> None:
+        raise RuntimeError("boom")
+
+    q.scorer.admitted = broken  # type: ignore[method-assign]
+    q.add_request(req("a", now - 3, slack=4.0))
+    q.add_request(req("b", now - 1, slack=4.0))
+    assert drain(q) == ["a", "b"]

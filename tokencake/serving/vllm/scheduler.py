@@ -85,6 +85,7 @@ class ScoredRequestQueue(RequestQueue):
         self.retained = retained
         self.saved = saved
         self._credit_failed = False
+        self._lag_failed = False
         self._heap: list[tuple[float, float, str, int, Request]] = []
         self._seq = itertools.count()
 
@@ -123,14 +124,26 @@ class ScoredRequestQueue(RequestQueue):
         if not self._heap:
             raise IndexError("pop from an empty queue")
         request = heapq.heappop(self._heap)[-1]
-        # Its wait counts in its session's lag (the slack its branch spent); vLLM pops a request
-        # it then skips as well, and queues it again: the scorer counts the last wait only.
+        self._count_wait(request)
+        return request
+
+    def _count_wait(self, request: Request) -> None:
+        """The request's wait counts in its session's lag (the slack its branch spent). vLLM also
+        pops a request it then skips, and queues it again: the scorer counts its last wait only.
+        A failure costs the lag, never the engine (this runs inside vLLM's ``schedule``)."""
         arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)
-        if arrival > 0:
+        if arrival <= 0:
+            return
+        try:
             self.scorer.admitted(
                 request_meta(request), request_id=str(request.request_id), waited_s=self.clock() - arrival
             )
-        return request
+        except Exception:
+            if not self._lag_failed:
+                self._lag_failed = True
+                log.exception(
+                    "TokenCake spatial scheduler: counting a queue wait failed; ordering without it"
+                )
 
     def peek_request(self) -> Request:
         if not self._heap:
