@@ -112,6 +112,19 @@ class SystemSpec:
 
 _ALL_ON = {"offload": True, "prefetch": True, "demand_load": True}
 
+
+def _tokencake_with(name: str, connector: dict[str, object], description: str) -> SystemSpec:
+    """``tokencake`` as served (every flag on, the spatial scheduler) with connector options changed."""
+    return SystemSpec(
+        name,
+        stock=False,
+        flags=dict(_ALL_ON),
+        connector=connector,
+        scheduler=SPATIAL_SCHEDULER,
+        description=description,
+    )
+
+
 SYSTEMS: dict[str, SystemSpec] = {
     "baseline": SystemSpec("baseline", stock=True, description="stock vLLM, prefix caching on"),
     "tokencake": SystemSpec(
@@ -195,53 +208,35 @@ SYSTEMS: dict[str, SystemSpec] = {
         policy="stock",
         description="extension loaded with the stock policy (decides nothing): the connector's own cost",
     ),
-    "spatial-order": SystemSpec(
+    "spatial-order": _tokencake_with(
         "spatial-order",
-        stock=False,
-        flags=dict(_ALL_ON),
-        connector={"critical_last": False},
-        scheduler=SPATIAL_SCHEDULER,
-        description="tokencake with the spatial admission order only (no critical-last eviction, no reserve)",
+        {"critical_last": False},
+        "tokencake with the spatial admission order only (no critical-last eviction, no reserve)",
     ),
-    "spare-late": SystemSpec(
+    "spare-late": _tokencake_with(
         "spare-late",
-        stock=False,
-        flags=dict(_ALL_ON),
-        connector={"critical_spare_late": True},
-        scheduler=SPATIAL_SCHEDULER,
-        description="tokencake whose late admissions evict other blocks before host-safe critical chains",
+        {"critical_spare_late": True},
+        "tokencake whose late admissions evict other blocks before host-safe critical chains",
     ),
-    "reserve-arrival": SystemSpec(
+    "reserve-arrival": _tokencake_with(
         "reserve-arrival",
-        stock=False,
-        flags=dict(_ALL_ON),
-        connector={"critical_reserve_wait_from": "arrival"},
-        scheduler=SPATIAL_SCHEDULER,
-        description="tokencake whose critical-reserve wait counts from arrival, not the head of the queue",
+        {"critical_reserve_wait_from": "arrival"},
+        "tokencake whose critical-reserve wait counts from arrival, not the head of the queue",
     ),
-    "reserve-off": SystemSpec(
+    "reserve-off": _tokencake_with(
         "reserve-off",
-        stock=False,
-        flags=dict(_ALL_ON),
-        connector={"critical_reserve_frac": 0.0},
-        scheduler=SPATIAL_SCHEDULER,
-        description="tokencake without the critical reserve (critical_reserve_frac=0)",
+        {"critical_reserve_frac": 0.0},
+        "tokencake without the critical reserve (critical_reserve_frac=0)",
     ),
-    "apps-side-by-side": SystemSpec(
+    "apps-side-by-side": _tokencake_with(
         "apps-side-by-side",
-        stock=False,
-        flags=dict(_ALL_ON),
-        connector={"admission": "apps-side-by-side"},
-        scheduler=SPATIAL_SCHEDULER,
-        description="tokencake with the spatial score's weights before 2026-12-05 (apps side by side)",
+        {"admission": "apps-side-by-side"},
+        "tokencake with the spatial score's weights before 2026-12-05 (apps side by side)",
     ),
-    "static-slack": SystemSpec(
+    "static-slack": _tokencake_with(
         "static-slack",
-        stock=False,
-        flags=dict(_ALL_ON),
-        connector={"admission": "static-slack"},
-        scheduler=SPATIAL_SCHEDULER,
-        description="tokencake with the SDK's slack fixed (a late branch is not moved to the critical path)",
+        {"admission": "static-slack"},
+        "tokencake with the SDK's slack fixed (a late branch is not moved to the critical path)",
     ),
     "hold-off": SystemSpec(
         "hold-off",

@@ -29,6 +29,7 @@ from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+from tokencake.events import RequestMeta
 from tokencake.serving.spatial import SpatialScorer, admission_weights
 from tokencake.serving.vllm.scheduler_side import request_meta
 
@@ -86,10 +87,12 @@ class ScoredRequestQueue(RequestQueue):
         self.saved = saved
         self._credit_failed = False
         self._lag_failed = False
-        self._heap: list[tuple[float, float, str, int, Request]] = []
+        #: (key, arrival, request id, sequence, its TokenCake metadata, request): the metadata is
+        #: parsed once when queued, and read again when the request leaves (its wait's session).
+        self._heap: list[tuple[float, float, str, int, RequestMeta | None, Request]] = []
         self._seq = itertools.count()
 
-    def _entry(self, request: Request) -> tuple[float, float, str, int, Request]:
+    def _entry(self, request: Request) -> tuple[float, float, str, int, RequestMeta | None, Request]:
         arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)
         meta = request_meta(request)
         sid = meta.session_id if meta is not None else None
@@ -103,7 +106,7 @@ class ScoredRequestQueue(RequestQueue):
             retained=held,
             saved=saved,
         )
-        return (key, arrival, str(request.request_id), next(self._seq), request)
+        return (key, arrival, str(request.request_id), next(self._seq), meta, request)
 
     def _credit(self, ask: Callable[[str], bool] | None, session_id: str | None) -> bool:
         """Ask the connector about the session's KV; a failure costs the credit, never the engine."""
@@ -123,11 +126,11 @@ class ScoredRequestQueue(RequestQueue):
     def pop_request(self) -> Request:
         if not self._heap:
             raise IndexError("pop from an empty queue")
-        request = heapq.heappop(self._heap)[-1]
-        self._count_wait(request)
+        *_, meta, request = heapq.heappop(self._heap)
+        self._count_wait(request, meta)
         return request
 
-    def _count_wait(self, request: Request) -> None:
+    def _count_wait(self, request: Request, meta: RequestMeta | None) -> None:
         """The request's wait counts in its session's lag (the slack its branch spent). vLLM also
         pops a request it then skips, and queues it again: the scorer counts its last wait only.
         A failure costs the lag, never the engine (this runs inside vLLM's ``schedule``)."""
@@ -135,9 +138,7 @@ class ScoredRequestQueue(RequestQueue):
         if arrival <= 0:
             return
         try:
-            self.scorer.admitted(
-                request_meta(request), request_id=str(request.request_id), waited_s=self.clock() - arrival
-            )
+            self.scorer.admitted(meta, request_id=str(request.request_id), waited_s=self.clock() - arrival)
         except Exception:
             if not self._lag_failed:
                 self._lag_failed = True
