@@ -4,9 +4,9 @@ Issue 9 asks that a session's blocks be on device (or loading) when its next req
 ≥ 80 % of the stalls longer than the transfer lead. On the CPU stress runs most misses are
 ``readiness.no_room``: the budget rule (``_keep_free``: the reserve, a block per running request,
 the queue's demand) would not have uploaded the chain. This replays each stored real run's trace
-(the same apps, tools and arrivals) on the simulator's CPU model with the run's device and host
-blocks, logs the device at every eligible arrival (``KVExtension.arrival_log``), and splits the
-no-room arrivals by what filled the device:
+(the same apps, tools and arrivals) on the simulator's model of the host they ran on
+(``cpu-fast``) with the run's device and host blocks, logs the device at every eligible arrival
+(``KVExtension.arrival_log``), and splits the no-room arrivals by what filled the device:
 
 * ``chain_exceeds_free``: the chain's missing blocks exceed every free block (evictable cached ones
   included) — no rule could have had it there without preempting a running request;
@@ -34,6 +34,8 @@ RUNS: tuple[str, ...] = (
     "docs/bench/stress-headclock-shared-results.json",
 )
 CAUSES: tuple[str, ...] = ("chain_exceeds_free", "running_floor", "queue_demand")
+#: The runs above ran on the faster host (``tokencake.sim.validate.FIXTURES``).
+PROFILE = "cpu-fast"
 
 
 def cause(entry: dict[str, Any]) -> str:
@@ -70,7 +72,7 @@ def replay(path: Path) -> list[dict[str, Any]]:
     """One row per point of the stored run (its first round's trace, as ``tokencake sim --validate``)."""
     results = json.loads(path.read_text())
     server = results["config"]["server"]
-    profile = get_profile("cpu-measured")
+    profile = get_profile(PROFILE)
     rows, seen = [], set()
     for point in results["points"]:
         label = point.get("base_label", point["label"]).split("#")[0]

@@ -12,7 +12,7 @@ from typing import Any
 from tokencake.cli import CLIError
 
 #: Kept here so building the parser stays cheap; tests check them against tokencake.sim.
-PROFILE_NAMES = ("cpu-measured", "h100-llama3-8b", "h200-llama3-8b")
+PROFILE_NAMES = ("cpu-measured", "cpu-fast", "h100-llama3-8b", "h200-llama3-8b")
 DEFAULT_SYSTEMS = "baseline,offload-all,continuum,infercept,tokencake,ideal"
 
 
@@ -319,7 +319,7 @@ def _validate(console: Any, json_path: Path | None) -> int:
     if json_path is not None:
         doc = {
             "kind": "tokencake-sim-validate",
-            "profile": get_profile("cpu-measured").__dict__,
+            "profiles": {name: get_profile(name).__dict__ for name in sorted({r.profile for r in rows})},
             "tolerance": TOLERANCE,
             "worst_error": worst,
             "ranking_violations": bad,

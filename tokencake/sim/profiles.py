@@ -11,7 +11,9 @@ beside compute by ``scripts/gpu_overlap.py``) and only a *demand* load delays it
 128-token blocks): ``step_s``, ``prefill_s_per_token`` and ``attn_s_per_token_ctx`` by a grid
 search against the stored real runs of the ``ci`` and ``headroom`` presets
 (``tokencake.sim.validate.fit``); ``stress`` is held out. Copy bandwidths are the measured ones
-(``docs/simulation.md`` has the fit and the validation).
+(``docs/simulation.md`` has the fit and the validation). The 2-core hosts differ between sessions:
+``cpu-fast`` is the same fit (plus ``decode_s_per_seq``) on the runs of the faster hosts drawn from
+2026-12-04 on; each stored run is validated against the profile of the host it ran on.
 The GPU profiles are built from published figures, cited in ``docs/simulation.md``.
 """
 
@@ -123,6 +125,29 @@ PROFILES: dict[str, HardwareProfile] = {
         copy_base_s=0.001,
         copies_async=False,
         sources="fitted on the stored ci + headroom runs (tokencake.sim.validate.fit); stress held out",
+    ),
+    # The same setup on the hosts this project's later sessions drew (from 2026-12-04): about 2.5 x
+    # fewer seconds per computed token. Copies as measured on the first host (too small to matter).
+    "cpu-fast": HardwareProfile(
+        name="cpu-fast",
+        description="as cpu-measured, on the faster 2-core hosts of the runs from 2026-12-04 on",
+        block_size=128,
+        kv_bytes_per_token=2 * 30 * 3 * 64 * 4,
+        device_blocks=40,
+        host_blocks=336,
+        max_batched_tokens=2048,
+        max_num_seqs=256,
+        step_s=0.05,
+        prefill_s_per_token=0.0014,
+        attn_s_per_token_ctx=4e-7,
+        decode_s_per_seq=0.005,
+        decode_s_per_ctx_token=0.0,
+        d2h_bytes_per_s=2.0e9,
+        h2d_bytes_per_s=6.0e9,
+        copy_base_s=0.001,
+        copies_async=False,
+        sources="fitted on the stored ci-lag + headroom-lag runs (tokencake.sim.validate.fit); "
+        "stress-lag and unseen-real seeds 4 and 6 held out",
     ),
     "h100-llama3-8b": _gpu(
         "h100-llama3-8b",
