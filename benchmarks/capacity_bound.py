@@ -24,7 +24,6 @@ is left of the gap is admission at this many blocks. Per run it reports
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from tokencake.bench.runner import versions
 from tokencake.sim.presets import from_bench_point
 from tokencake.sim.profiles import HardwareProfile, get_profile
 from tokencake.sim.run import SYSTEMS, simulate
-from tokencake.sim.validate import FIT_GRID, FIXTURES, validate
+from tokencake.sim.validate import FIXTURES, grid_errors
 
 PROFILE = "cpu-fast"
 TARGET = 1.10
@@ -44,16 +43,8 @@ ORDERS: tuple[str, ...] = ("tokencake", "static-slack", "spatial-off", "offload-
 
 def near_fits(profile: str = PROFILE, slack: float = FIT_SLACK) -> list[dict[str, float]]:
     """Every grid point of ``profile``'s fit whose worst error is within ``slack`` of the best."""
-    base = get_profile(profile)
-    grid = FIT_GRID[profile]
-    fitted = {n: f for n, f in FIXTURES.items() if f.profile == profile and f.fitted}
-    scored = []
-    for values in itertools.product(*grid.values()):
-        params = dict(zip(grid, values, strict=True))
-        err = max(abs(r.error) for r in validate(fitted, base.with_(**params)))
-        scored.append((err, params))
-    best = min(e for e, _ in scored)
-    return [p for e, p in sorted(scored, key=lambda t: t[0]) if e <= best + slack]
+    scored = grid_errors(profile)
+    return [params for err, params in scored if err <= scored[0][0] + slack]
 
 
 def free_copies(profile: HardwareProfile) -> HardwareProfile:
@@ -145,8 +136,14 @@ def main() -> None:
         "profile": PROFILE,
         "target": TARGET,
         "fit_slack": FIT_SLACK,
+        "n_fits": len(fits),
         "fits": fits,
         "runs": per_run,
+        "summary": {
+            "copies_cost_max": max(r["ratios"]["copies_cost"]["max"] for r in per_run.values()),
+            "best_order_gain_max": 1
+            - min(r["ratios"]["best_order+free/tokencake+free"]["min"] for r in per_run.values()),
+        },
         "versions": versions(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

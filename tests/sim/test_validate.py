@@ -25,3 +25,18 @@ def test_a_run_on_one_host_is_not_predicted_by_the_other_hosts_profile() -> None
 
     rows = validate({"stress@fast": FIXTURES["stress@fast"]}, get_profile("cpu-measured"))
     assert max(abs(r.error) for r in rows) > TOLERANCE
+
+
+def test_each_cpu_profile_is_its_own_fit() -> None:
+    """The stored constants are what the grid search on the profile's own runs gives (refit when the
+    engine model or the fixtures change)."""
+    from tokencake.sim.profiles import get_profile
+    from tokencake.sim.validate import FIT_GRID, fit, grid_errors
+
+    for name in FIT_GRID:
+        err, params = fit(name)
+        prof = get_profile(name)
+        assert {k: getattr(prof, k) for k in params} == params, name
+        assert err <= TOLERANCE
+    scored = grid_errors("cpu-measured")
+    assert [e for e, _ in scored] == sorted(e for e, _ in scored)

@@ -25,7 +25,7 @@ from tokencake.sim.presets import from_bench_point
 from tokencake.sim.profiles import HardwareProfile, get_profile
 from tokencake.sim.run import SYSTEMS, simulate
 
-__all__ = ["FIT_GRID", "FIXTURES", "TIE", "TOLERANCE", "Fixture", "Row", "fit", "validate"]
+__all__ = ["FIT_GRID", "FIXTURES", "TIE", "TOLERANCE", "Fixture", "Row", "fit", "grid_errors", "validate"]
 
 #: How the stored runs were served where the knobs have changed since: they re-asked every
 #: retryable gate "no" at 20 Hz (before ``reevaluate_max_s`` backed it off while nothing waits).
@@ -177,24 +177,25 @@ FIT_GRID: dict[str, dict[str, tuple[float, ...]]] = {
 }
 
 
-def fit(profile: str = "cpu-measured") -> tuple[float, dict[str, float]]:
-    """The grid point with the smallest worst-case error on the profile's fitted runs (the others
-    stay held out)."""
+def grid_errors(profile: str = "cpu-measured") -> list[tuple[float, dict[str, float]]]:
+    """Every point of the profile's ``FIT_GRID`` with its worst error on the profile's fitted runs,
+    best first (the others stay held out)."""
     import itertools
 
     prof = get_profile(profile)
     grid = FIT_GRID[profile]
     fixtures = {n: f for n, f in FIXTURES.items() if f.profile == profile and f.fitted}
-    best: tuple[float, dict[str, float]] | None = None
-    names = list(grid)
-    for values in itertools.product(*(grid[n] for n in names)):
-        params = dict(zip(names, values, strict=True))
+    scored = []
+    for values in itertools.product(*grid.values()):
+        params = dict(zip(grid, values, strict=True))
         rows = validate(fixtures, prof.with_(**params))
-        err = max(abs(r.error) for r in rows)
-        if best is None or err < best[0]:
-            best = (err, params)
-    assert best is not None
-    return best
+        scored.append((max(abs(r.error) for r in rows), params))
+    return sorted(scored, key=lambda t: t[0])
+
+
+def fit(profile: str = "cpu-measured") -> tuple[float, dict[str, float]]:
+    """The grid point with the smallest worst-case error on the profile's fitted runs."""
+    return grid_errors(profile)[0]
 
 
 if __name__ == "__main__":  # python -m tokencake.sim.validate [--fit]
