@@ -36,11 +36,36 @@ def test_critical_path_and_less_slack_first() -> None:
     s = SpatialScorer()
     crit, near, far = meta(critical=True), meta(slack=3.0), meta(slack=40.0)
     assert score(s, crit) < score(s, near) < score(s, far)
-    # More work left behind this node: earlier; importance > 1 shrinks the slack.
-    assert score(s, meta(slack=3.0, depth=4)) < score(s, near)
+    # More of the DAG left behind this node: later (shortest remaining first); importance > 1
+    # shrinks the slack.
+    assert score(s, near) < score(s, meta(slack=3.0, depth=4))
     assert score(s, meta(slack=40.0, importance=10.0)) < score(s, far)
     # Slack is capped: beyond max_slack_s all are "not urgent" alike.
     assert score(s, meta(slack=500.0)) == score(s, meta(slack=5000.0))
+
+
+def test_of_two_apps_that_started_together_the_one_with_fewer_nodes_left_goes_first() -> None:
+    """The contended catalog mix: Code-Writer (20 nodes deep) and Deep-Research (5) arrive together;
+    a mean over apps rewards finishing the shorter one first. The order before gave the depth left
+    as a credit, so every critical request of the deeper app went first."""
+    long_app = meta(critical=True, depth=18, run="code-writer")
+    short_app = meta(critical=True, depth=3, run="deep-research")
+    for weights, first, second in (
+        (SpatialWeights(), short_app, long_app),
+        (admission_weights("remaining-depth-first"), long_app, short_app),
+    ):
+        s = SpatialScorer(weights)
+        assert score(s, first) < score(s, second)
+        # The depth term is bounded (10 s): an app that started 10 s earlier goes first whatever
+        # its depth.
+        s = SpatialScorer(weights)
+        s.score(second, waited_s=0.0, preemptions=0, now=100.0)  # its app starts at 100 s
+        assert s.score(second, waited_s=10.0, preemptions=0, now=110.0) < s.score(
+            first, waited_s=0.0, preemptions=0, now=110.0
+        )
+    # Still below every non-critical request: the critical path goes first whatever is left.
+    s = SpatialScorer()
+    assert score(s, meta(critical=True, depth=50)) < score(s, meta(slack=0.0), pre=5)
 
 
 def test_plain_requests_rank_between_and_keep_first_come_first_served() -> None:

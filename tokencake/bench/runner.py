@@ -448,6 +448,8 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("apps-side-by-side", "ideal"),
     ("tokencake", "static-slack"),
     ("static-slack", "ideal"),
+    ("tokencake", "remaining-depth-first"),
+    ("remaining-depth-first", "spatial-off"),
 )
 #: Extension summary fields of the ``tokencake`` system copied into each point's comparison.
 EXTENSION_HEADLINES: tuple[str, ...] = (

@@ -38,6 +38,9 @@ state.
                     ``admission=apps-side-by-side``: apps that started seconds apart served side by side)
 ``static-slack``    ``tokencake`` with the SDK's slack fixed (connector ``admission=static-slack``): a
                     branch that queued past its slack is not moved to the critical path
+``remaining-depth-first`` ``tokencake`` with the DAG depth left as a credit, the order before
+                    2026-12-05's third change (connector ``admission=remaining-depth-first``): of apps
+                    that started together, the one with more nodes left went first
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
 ``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
@@ -237,6 +240,11 @@ SYSTEMS: dict[str, SystemSpec] = {
         "static-slack",
         {"admission": "static-slack"},
         "tokencake with the SDK's slack fixed (a late branch is not moved to the critical path)",
+    ),
+    "remaining-depth-first": _tokencake_with(
+        "remaining-depth-first",
+        {"admission": "remaining-depth-first"},
+        "tokencake with the DAG depth left as a credit (of apps that started together, the deeper first)",
     ),
     "hold-off": SystemSpec(
         "hold-off",

@@ -47,6 +47,8 @@ def register(subparsers: Any) -> None:
             "(the critical reserve's wait counted from arrival, not the head of the queue), "
             "apps-side-by-side (the spatial score's weights before 2026-12-05), static-slack (the "
             "SDK's slack fixed: a branch that queued past it is not moved to the critical path), "
+            "remaining-depth-first (the DAG depth left as a credit: of apps that started together, the "
+            "deeper first), "
             "prefetch-off (= offload-only), "
             "demand-off, tokencake-roomy (extension with the ideal's KV: its cost without pressure), "
             "baseline-priority, ideal-priority, and the other KV policies in the same server: "

@@ -70,8 +70,8 @@ class Options:
     #: their place at the front (a copy brings them back) and only unsaved ones are spared.
     critical_spare_late: bool = False
     #: With the spatial scheduler on: the admission order (``tokencake.serving.spatial.ADMISSIONS``:
-    #: spatial, apps-side-by-side, static-slack, continuum); empty: the KV policy's own
-    #: (``KVPolicy.admission``).
+    #: spatial, apps-side-by-side, static-slack, remaining-depth-first, continuum); empty: the KV
+    #: policy's own (``KVPolicy.admission``).
     admission: str = ""
     #: A request waits at most this long for its session's prefetch copy before loading on demand.
     prefetch_wait_s: float = 1.0

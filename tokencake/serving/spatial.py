@@ -15,7 +15,7 @@ A score is in seconds of slack; lower is admitted first::
           = min(left / importance, max_slack_s)             an agent request; left = 0 on the
             − critical_s if the node is on the critical path             critical path, else the
               or its branch has spent its slack                          node's slack − behind
-            − per_remaining_depth_s × min(remaining_depth, max_depth)
+            + per_remaining_depth_s × min(remaining_depth, max_depth)    (fewer nodes left: earlier)
 
     behind = lag_spends_slack × max(0, the session's queue waits so far
                                        − the most any critical-path session of its app waited)
@@ -43,7 +43,8 @@ the app's time: with ``app_age`` 1 an agent request ranks by when its app starte
 node has, so the order is, in turn,
 
 * **the critical path first** (``critical_s`` 400 s: more than the largest app-age credit, 300 s,
-  plus all the other credits a request can hold, 16 s, so an older app's non-critical request never
+  plus the other credits a request can hold and the depth a critical one can be charged, 16 s in
+  all, so an older app's non-critical request never
   outranks a younger app's critical path — first come first served by app *across* classes lost
   to vLLM's priority order in the simulator: the critical path waited 1.2 × longer, mean app E2E
   1.06 ×, up to 1.41 ×);
@@ -57,8 +58,15 @@ node has, so the order is, in turn,
   to yield, and it needs the fewest new ones) or else its last chain saved on host (``saved_s``: it
   resumes with a load instead of a prefill, and its pinned host copies go back to the pool sooner;
   without it, on a host pool smaller than the working set such requests waited while new saves
-  found the pool full, ``docs/simulation.md`` §6.3–§6.4), per preemption (``per_preemption_s``,
-  at most 5) and per node of remaining DAG depth (0.5 s, at most 20);
+  found the pool full, ``docs/simulation.md`` §6.3–§6.4) and per preemption (``per_preemption_s``,
+  at most 5); and 0.5 s of slack per node of DAG depth still behind the request (at most 20),
+  so of two apps that started together the one with fewer nodes left goes first — shortest
+  remaining first, what a mean over apps rewards. Until 2026-12-05's third change the depth left
+  was a credit (admission order ``remaining-depth-first``): on the contended catalog mix, whose two
+  apps arrive together, every critical request of the 20-node Code-Writer went before the 5-node
+  Deep-Research's, which ended 9 % slower than with vLLM's priority order in every round
+  (``docs/policy.md`` §7). Within one app the critical path already goes first, and the depth left
+  only orders branches that have slack;
 * **the critical path is the one the app is on now, not only the one planned**: the SDK's slack
   says how far a branch may fall behind the critical path before it delays the app; every second
   its session queued here beyond what the app's critical-path sessions queued spends a second of
@@ -124,8 +132,10 @@ class SpatialWeights:
     #: Seconds of slack one second of waiting cancels: slow, it only bounds starvation (faster aging
     #: let waiting non-critical requests overtake the critical path).
     aging: float = 0.01
-    #: Each node still to run after this one (the DAG's remaining depth) counts as this much less slack.
+    #: Each node still to run after this one (the DAG's remaining depth) counts as this much more
+    #: slack (``fewer_left_first``) or less (the order before: more of the DAG left, earlier).
     per_remaining_depth_s: float = 0.5
+    fewer_left_first: bool = True
     max_depth: int = 20
     #: Of the app's elapsed time (since its first request here), this share counts as slack spent,
     #: the app's start taken at most ``max_app_age_s`` before the request's arrival: within a class
@@ -187,6 +197,9 @@ ADMISSIONS: dict[str, SpatialWeights] = {
     ),
     # The spatial score with the SDK's slack fixed: a branch that fell behind stays non-critical.
     "static-slack": SpatialWeights(lag_spends_slack=0.0),
+    # The spatial score with the DAG depth left as a credit (the order before 2026-12-05's third
+    # change): of apps that started together, the one with more nodes left goes first.
+    "remaining-depth-first": SpatialWeights(fewer_left_first=False),
     # Continuum: FCFS, but a program whose KV is retained (a TTL pin) is scheduled first.
     "continuum": SpatialWeights(
         aging=1.0,
@@ -255,8 +268,8 @@ class SpatialScorer:
             slack = -w.critical_s
         else:
             slack = min(left / max(meta.importance, 1e-3), w.max_slack_s)
-        depth = min(max(graph.remaining_depth, 0), w.max_depth)
-        return slack - w.per_remaining_depth_s * depth
+        depth = w.per_remaining_depth_s * min(max(graph.remaining_depth, 0), w.max_depth)
+        return slack + depth if w.fewer_left_first else slack - depth
 
     def lag_s(self, session_id: str) -> float:
         """Seconds the session's requests have waited in this queue, in all (those it saw leave)."""
@@ -341,10 +354,11 @@ class SpatialScorer:
     def max_overtake_s(self) -> float:
         """How long a waiting request can be overtaken by newcomers, at most (seconds of waiting)."""
         w = self.weights
-        highest = max(w.plain_slack_s, w.max_slack_s)
+        depth = w.per_remaining_depth_s * w.max_depth
+        highest = max(w.plain_slack_s, w.max_slack_s + (depth if w.fewer_left_first else 0.0))
         lowest = -(
             w.critical_s
-            + w.per_remaining_depth_s * w.max_depth
+            + (0.0 if w.fewer_left_first else depth)
             + w.per_preemption_s * w.max_preemptions  # a preempted request re-enters the queue
             + max(w.retained_s, w.saved_s)
         )
