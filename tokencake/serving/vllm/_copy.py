@@ -548,7 +548,10 @@ class BlockCopier:
             total = -(-(total + nbytes) // HOST_ALIGN) * HOST_ALIGN
         if check_ram:
             check_host_memory(total, available_ram_bytes())
+        started = time.perf_counter()
         self._flat = populated_host_buffer(total)
+        took = time.perf_counter() - started
+        log.info("TokenCake: host pool of %s GiB mapped in %.1f s", _gib(total), took)
         self.pinned = False
         if pin:
             why = pin_host_memory(self._flat)
