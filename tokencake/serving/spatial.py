@@ -64,7 +64,7 @@ node has, so the order is, in turn,
   remaining first, what a mean over apps rewards. Until 2026-12-05's third change the depth left
   was a credit (admission order ``remaining-depth-first``): on the contended catalog mix, whose two
   apps arrive together, every critical request of the 20-node Code-Writer went before the 5-node
-  Deep-Research's, which ended 9 % slower than with vLLM's priority order in every round
+  Deep-Research's, which ended 8–11 % slower than with vLLM's priority order in every round
   (``docs/policy.md`` §7). Within one app the critical path already goes first, and the depth left
   only orders branches that have slack;
 * **the critical path is the one the app is on now, not only the one planned**: the SDK's slack
