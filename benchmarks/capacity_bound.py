@@ -32,6 +32,7 @@ from tokencake.bench.runner import versions
 from tokencake.sim.presets import from_bench_point
 from tokencake.sim.profiles import HardwareProfile, get_profile
 from tokencake.sim.run import SYSTEMS, simulate
+from tokencake.sim.trace import Trace
 from tokencake.sim.validate import FIXTURES, grid_errors
 
 PROFILE = "cpu-fast"
@@ -53,14 +54,9 @@ def free_copies(profile: HardwareProfile) -> HardwareProfile:
     )
 
 
-def bound(name: str, prof: HardwareProfile) -> dict[str, Any]:
-    """One stored run on one profile: ratios as served and with free copies; blocks for the target."""
-    results = json.loads(FIXTURES[name].path.read_text())
-    server = results["config"]["server"]
-    point = results["points"][0]
-    trace = from_bench_point(
-        point, "baseline" if "baseline" in point["systems"] else next(iter(point["systems"]))
-    )
+def bound(server: dict[str, Any], trace: Trace, prof: HardwareProfile) -> dict[str, Any]:
+    """One stored run (its server config and trace) on one profile: ratios as served and with free
+    copies; blocks for the target."""
     hosts = server.get("host_pool_blocks") or prof.host_blocks
     device = int(server["device_blocks"])
     ideal = simulate(
@@ -110,7 +106,13 @@ def main() -> None:
     runs = [n for n, f in FIXTURES.items() if f.profile == PROFILE]
     per_run: dict[str, Any] = {}
     for name in runs:
-        rows = [bound(name, get_profile(PROFILE).with_(**params)) for params in fits]
+        results = json.loads(FIXTURES[name].path.read_text())
+        point = results["points"][0]
+        trace = from_bench_point(
+            point, "baseline" if "baseline" in point["systems"] else next(iter(point["systems"]))
+        )
+        server = results["config"]["server"]
+        rows = [bound(server, trace, get_profile(PROFILE).with_(**params)) for params in fits]
         keys = rows[0]["ratios"].keys()
         needed = [r["blocks_for_target"] for r in rows]
         per_run[name] = {
@@ -118,7 +120,7 @@ def main() -> None:
             "fitted": FIXTURES[name].fitted,
             "device_blocks": rows[0]["device_blocks"],
             "ideal_blocks": rows[0]["ideal_blocks"],
-            "measured": _measured(json.loads(FIXTURES[name].path.read_text())),
+            "measured": _measured(results),
             "ratios": {
                 k: {"min": min(r["ratios"][k] for r in rows), "max": max(r["ratios"][k] for r in rows)}
                 for k in keys
