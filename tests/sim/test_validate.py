@@ -40,3 +40,31 @@ def test_each_cpu_profile_is_its_own_fit() -> None:
         assert err <= TOLERANCE
     scored = grid_errors("cpu-measured")
     assert [e for e, _ in scored] == sorted(e for e, _ in scored)
+
+
+def test_measured_copy_rates_are_the_runs_own_bytes_over_seconds() -> None:
+    from tokencake.sim.validate import measured_copy_rates
+
+    def point(off: tuple[float, float], up: tuple[float, float]) -> dict:
+        summary = {"offload_bytes": off[0], "offload_s": off[1], "upload_bytes": up[0], "upload_s": up[1]}
+        return {"systems": {"baseline": {}, "tokencake": {"extension": {"summary": summary}}}}
+
+    results = {"points": [point((1e9, 4.0), (0.0, 0.0)), point((1e9, 4.0), (8e9, 1.0))]}
+    assert measured_copy_rates(results) == {"d2h_bytes_per_s": 2.5e8, "h2d_bytes_per_s": 8e9}
+    # A direction never copied keeps the profile's rate.
+    assert measured_copy_rates({"points": [point((1e9, 2.0), (0.0, 0.0))]}) == {"d2h_bytes_per_s": 5e8}
+
+
+def test_a_run_with_slow_copies_is_replayed_at_its_own_rates() -> None:
+    """The runs before the host pool was populated saved at ~0.13 GB/s: replayed at the profile's
+    rate their TokenCake would be predicted faster than at their own."""
+    from dataclasses import replace
+
+    fixture = FIXTURES["stress@fast"]
+    assert fixture.copies_as_measured
+    own = {r.system: r.predicted_s for r in validate({"s": fixture})}
+    profile_rates = {
+        r.system: r.predicted_s for r in validate({"s": replace(fixture, copies_as_measured=False)})
+    }
+    assert own["tokencake"] > profile_rates["tokencake"]
+    assert own["baseline"] == profile_rates["baseline"]

@@ -130,18 +130,21 @@ _CPU_MEASURED = HardwareProfile(
 PROFILES: dict[str, HardwareProfile] = {
     "cpu-measured": _CPU_MEASURED,
     # The same setup on the hosts this project's later sessions drew (from 2026-12-04): about 2.5 x
-    # fewer seconds per computed token. Copies as measured on the first host (the stored runs'
-    # offloads ran slower, into first-touch host pages, until 78a2d58: docs/reliability.md).
+    # fewer seconds per computed token. Copies as the runs with the host pool populated at start
+    # measured them (offloads 8.8-10 GB/s, loads 8.3-8.4 GB/s; the runs before 78a2d58 saved into
+    # first-touch pages at ~0.13 GB/s and are replayed at their own rates: docs/reliability.md).
     "cpu-fast": _CPU_MEASURED.with_(
         name="cpu-fast",
         description="as cpu-measured, on the faster 2-core hosts of the runs from 2026-12-04 on",
         host_blocks=336,
-        step_s=0.05,
-        prefill_s_per_token=0.0014,
-        attn_s_per_token_ctx=4e-7,
+        d2h_bytes_per_s=9.0e9,
+        h2d_bytes_per_s=8.0e9,
+        step_s=0.04,
+        prefill_s_per_token=0.0013,
+        attn_s_per_token_ctx=6e-7,
         decode_s_per_seq=0.005,
-        sources="fitted on the stored ci-lag + headroom-lag runs (tokencake.sim.validate.fit); "
-        "stress-lag and unseen-real seeds 4 and 6 held out",
+        sources="fitted on the stored ci and headroom runs of these hosts (ci-lag, headroom-lag, ci-pop, "
+        "headroom-pop; tokencake.sim.validate.fit); their stress and unseen-real runs held out",
     ),
     "h100-llama3-8b": _gpu(
         "h100-llama3-8b",
