@@ -34,7 +34,7 @@ from tokencake.sim.presets import from_bench_point
 from tokencake.sim.profiles import HardwareProfile, get_profile
 from tokencake.sim.run import SYSTEMS, simulate
 from tokencake.sim.trace import Trace
-from tokencake.sim.validate import FIXTURES, grid_errors, measured_copy_rates
+from tokencake.sim.validate import FIXTURES, grid_errors, served_profile
 
 PROFILE = "cpu-fast"
 TARGET = 1.10
@@ -113,9 +113,11 @@ def main() -> None:
             point, "baseline" if "baseline" in point["systems"] else next(iter(point["systems"]))
         )
         server = results["config"]["server"]
-        # As served: a run whose copies were slower than the host's (first-touch pages) at its own.
-        served = measured_copy_rates(results) if FIXTURES[name].copies_as_measured else {}
-        rows = [bound(server, trace, get_profile(PROFILE).with_(**params, **served)) for params in fits]
+        base = get_profile(PROFILE)
+        rows = [
+            bound(server, trace, served_profile(FIXTURES[name], results, base.with_(**params)))
+            for params in fits
+        ]
         keys = rows[0]["ratios"].keys()
         needed = [r["blocks_for_target"] for r in rows]
         per_run[name] = {

@@ -35,6 +35,7 @@ __all__ = [
     "fit",
     "grid_errors",
     "measured_copy_rates",
+    "served_profile",
     "validate",
 ]
 
@@ -74,6 +75,11 @@ def measured_copy_rates(results: Mapping[str, Any]) -> dict[str, float]:
             moved[key][0] += summary.get(f"{kind}_bytes") or 0.0
             moved[key][1] += summary.get(f"{kind}_s") or 0.0
     return {k: b / s for k, (b, s) in moved.items() if b > 0 and s > 0}
+
+
+def served_profile(fixture: Fixture, results: Mapping[str, Any], prof: HardwareProfile) -> HardwareProfile:
+    """``prof`` as the fixture's run was served: at the run's own copy rates where it says so."""
+    return prof.with_(**measured_copy_rates(results)) if fixture.copies_as_measured else prof
 
 
 #: The stored real runs the check uses (name → run).
@@ -135,10 +141,8 @@ def validate(
     for preset, fixture in (fixtures or FIXTURES).items():
         if not isinstance(fixture, Fixture):
             fixture = Fixture(Path(fixture))
-        prof = profile or get_profile(fixture.profile)
         results = json.loads(fixture.path.read_text())
-        if fixture.copies_as_measured:
-            prof = prof.with_(**measured_copy_rates(results))
+        prof = served_profile(fixture, results, profile or get_profile(fixture.profile))
         server = results["config"]["server"]
         done: set[str] = set()
         for point in results["points"]:
