@@ -173,13 +173,44 @@ def test_a_request_that_needs_the_lent_reserve_waits_and_the_next_one_is_admitte
     held = engine.cache.allocate(2)  # a critical session's chain held on device (one ref each)
     engine.cache.allocate(3)  # blocks in use: 3 free, and the big request's first chunk needs 4
     ext._holds["c"] = _Hold("c", held, until=60.0, since=0.0, rank=1.0, kind="hold", critical=True)
-    big = Request(1, Session("x", "agent", 4), prompt_tokens=25, output_tokens=1, arrival=0.0, priority=5)
-    small = Request(2, Session("y", "agent", 4), prompt_tokens=3, output_tokens=1, arrival=0.0, priority=5)
+    big = Request(1, Session("x", "agent", 4), 25, 1, arrival=0.0, priority=5, run_id="app1")
+    small = Request(2, Session("y", "agent", 4), 3, 1, arrival=0.0, priority=5, run_id="app2")
     engine.submit(big)
     engine.submit(small)
     engine.step()
     assert big.admitted_at is None and small.admitted_at is not None
     assert counters(engine)["spatial.reserve_denials"] >= 1
+
+
+def test_a_plain_request_takes_the_reserve_and_held_chains_yield_to_running_requests() -> None:
+    """As the connector: a plain request (no run) is not held back by the critical reserve; and a
+    running request that finds no free block gets a held chain's blocks instead of a preemption
+    (vLLM's ``has_pending_block_frees``), with no admission in that step."""
+    ext = KVExtension(Options(policy="tokencake", offload=False), host_blocks=8)
+    engine = Engine(PROFILE, device_blocks=8, extension=ext, scheduling="spatial")
+    held = engine.cache.allocate(2)
+    engine.cache.allocate(3)
+    ext._holds["c"] = _Hold("c", held, until=60.0, since=0.0, rank=1.0, kind="hold", critical=True)
+    plain = Request(1, Session("x", "agent", 4), 25, 1, arrival=0.0, priority=5)
+    engine.submit(plain)
+    engine.step()
+    assert plain.admitted_at is not None and not ext._holds
+    assert counters(engine).get("spatial.reserve_denials", 0) == 0
+
+    ext = KVExtension(Options(policy="tokencake", offload=False), host_blocks=8)
+    engine = Engine(PROFILE, device_blocks=8, extension=ext, scheduling="spatial")
+    held = engine.cache.allocate(2)
+    ext._holds["c"] = _Hold("c", held, until=60.0, since=0.0, rank=1.0, kind="hold", critical=True)
+    run = Request(2, Session("r", "agent", 4), 4, 8, arrival=0.0, priority=5, run_id="app1")
+    engine.submit(run)
+    engine.step()  # admitted: its prompt's block
+    engine.cache.allocate(engine.cache.num_free)  # nothing free for its next block
+    late = Request(3, Session("w", "agent", 4), 3, 1, arrival=0.0, priority=5, run_id="app2")
+    engine.submit(late)
+    for _ in range(6):  # its second block comes due at its first decode step
+        engine.step()
+    assert engine.preemptions == 0 and not ext._holds
+    assert counters(engine)["hold.yielded_to_running"] == 1
 
 
 def test_with_the_arrival_clock_slack_is_counted_from_arrival() -> None:

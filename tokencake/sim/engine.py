@@ -237,7 +237,7 @@ class Engine:
     def _schedule(self, now: float) -> tuple[list[tuple[Request, int]], int]:
         budget = self.profile.max_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        preempted = False
+        preempted = short = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -245,6 +245,11 @@ class Engine:
             need = cdiv(req.num_computed + n, self.block_size) - len(req.blocks)
             ok = True
             while need > self.cache.num_free:
+                if self.ext is not None and self.ext.free_for_running():
+                    # vLLM's ``has_pending_block_frees``: held chains gave blocks back; this
+                    # request (and the rest of the pass) waits a step instead of a preemption.
+                    short, ok = True, False
+                    break
                 victim = self._victim()
                 self._preempt(victim)
                 preempted = True
@@ -259,7 +264,7 @@ class Engine:
             budget -= n
             i += 1
         loads = 0
-        if preempted:
+        if preempted or short:
             return scheduled, loads
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:

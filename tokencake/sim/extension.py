@@ -522,8 +522,8 @@ class KVExtension:
         """The critical reserve against this admission, as the connector's ``_protected``: only
         with the spatial scheduler on, only against a non-critical request that waited less than
         ``critical_reserve_wait_s``, the holds of the critical sessions that return soonest while
-        they fit in ``critical_reserve_frac`` of the device."""
-        if not self.critical_last or req.priority == 0 or req.admitted_at is not None:
+        they fit in ``critical_reserve_frac`` of the device; never against a plain request."""
+        if not self.critical_last or not req.run_id or req.priority == 0 or req.admitted_at is not None:
             return frozenset()
         if self._reserve_waited(req) >= self.opts.critical_reserve_wait_s:
             return frozenset()
@@ -557,6 +557,18 @@ class KVExtension:
             self.stats["spatial.reserve_denials"] += 1
             return True
         return False
+
+    def free_for_running(self) -> bool:
+        """The connector's ``free_for_running``: a running request found no free block, so holds
+        yield (latest return first) until one frees; True: no preemption, the pass ends."""
+        if not self._holds:
+            return False
+        before = self.cache.num_free
+        self._release_holds_until(lambda: self.cache.num_free > before, "running")
+        if self.cache.num_free <= before:
+            return False
+        self.stats["hold.yielded_to_running"] += 1
+        return True
 
     def _held_blocks(self, of: Callable[[str], bool]) -> int:
         """Blocks that releasing the holds of the sessions ``of`` accepts would free (nothing

@@ -181,3 +181,18 @@ def test_connector_hooks_keep_their_signatures() -> None:
         base = list(inspect.signature(getattr(KVConnectorBase_V1, name)).parameters)
         ours = list(inspect.signature(getattr(TokenCakeConnector, name)).parameters)
         assert ours == base, name
+
+
+def test_uncache_drops_the_hash_and_keeps_references_and_the_free_queue(pool: BlockPool) -> None:
+    """``uncache`` (public ``evict_blocks``): a block in use loses its hash but not its reference;
+    an idle cached one stays where it was in the free queue, hash-less (nothing can hit it)."""
+    held, idle = bp.allocate(pool, 2)
+    for i, block in enumerate((held, idle)):
+        assert bp.register(pool, block, _hash(10 + i), num_tokens=16)
+    bp.release(pool, [idle])
+    free_before = bp.num_free(pool)
+    bp.uncache(pool, [held.block_id, idle.block_id])
+    assert bp.cached_block(pool, _hash(10)) is None and bp.cached_block(pool, _hash(11)) is None
+    assert held.block_hash is None and held.ref_cnt == 1
+    assert idle.block_hash is None and idle.ref_cnt == 0 and bp.num_free(pool) == free_before
+    bp.release(pool, [held])

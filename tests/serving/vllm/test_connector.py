@@ -28,6 +28,7 @@ from tokencake.serving.server import Server
 from tokencake.serving.vllm import connector as conn_mod
 from tokencake.serving.vllm.connector import (
     TokenCakeConnector,
+    _lookahead_tokens,
     _options,
     events_address,
     events_api_key,
@@ -229,3 +230,48 @@ def test_scheduler_side_hook_time_is_reported_per_step(build: Any) -> None:
     assert conn.sched.stats.histogram("engine.hook_ms_per_step")["count"] == 1
     assert conn.sched.stats.counter("engine.hook_seconds") > 0
     assert 0 < conn._hook_s < 1  # this call's own time, reported at the next step
+
+
+def test_vllm_asks_for_held_blocks_before_it_preempts_and_a_failure_means_preempt(
+    build: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``has_pending_block_frees`` is vLLM's question right before a preemption: the scheduler side
+    answers it (``free_for_running``); an exception answers "no" (vLLM preempts, as stock)."""
+    conn = build({"events_port": 0})
+    assert conn.sched is not None
+    assert conn.has_pending_block_frees() is False  # nothing held
+    monkeypatch.setattr(conn.sched, "free_for_running", lambda: True)
+    assert conn.has_pending_block_frees() is True
+
+    def broken() -> bool:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(conn.sched, "free_for_running", broken)
+    assert conn.has_pending_block_frees() is False
+    assert conn.sched.stats.counter("errors.has_pending_block_frees") == 1
+
+
+def test_admission_room_reads_vllms_lookahead_and_watermark(build: Any) -> None:
+    conn = build({"events_port": 0})
+    assert conn.sched is not None and conn.sched.lookahead_tokens == 0 and conn.sched.watermark == 0.0
+
+    class Spec:
+        @property
+        def num_lookahead_tokens(self) -> int:
+            raise AttributeError("no speculative config")
+
+    assert _lookahead_tokens(SimpleNamespace(num_lookahead_tokens=3)) == 3  # type: ignore[arg-type]
+    assert _lookahead_tokens(Spec()) == 0  # type: ignore[arg-type]
+
+
+def test_decode_context_parallelism_over_a_sharded_spec_passes_through() -> None:
+    """vLLM's scheduler block then spans ``dcp`` spec blocks: every hash ↔ block mapping would be off."""
+    config = _vllm_config({"host_pool_blocks": 8, "wake_idle_engine": False})
+    config.parallel_config = SimpleNamespace(world_size=2, decode_context_parallel_size=2)
+    spec = SimpleNamespace(page_size_bytes=1024, block_size=16, dcp_sharded=True)
+    kv = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])], num_blocks=64
+    )
+    conn = TokenCakeConnector(config, KVConnectorRole.SCHEDULER, kv)
+    assert conn.sched is None and conn.disabled is not None and "context parallelism" in conn.disabled
+    conn.shutdown()

@@ -293,11 +293,12 @@ def b_matches_the_shared_prefix_on_host(
     return req, cache_blocks(pool, [*shared, *own][:admitted])  # allocate_slots hashes them this step
 
 
-def test_blocks_a_failed_load_left_are_not_offloaded_until_recomputed(pool: BlockPool, clock: Clock) -> None:
+def test_blocks_a_failed_load_left_leave_the_prefix_cache(pool: BlockPool, clock: Clock) -> None:
     """vLLM's recompute policy keeps the hashes of blocks whose load failed — and of the blocks the
-    same step computed from them — until their request recomputes them. A stall of another
-    session sharing that prefix must not copy them to the host in between (the copy would be
-    committed and served to every request with the prefix)."""
+    same step computed from them — trusting their request to recompute them at once. If it is
+    preempted first, any request with that prefix would hit them (its own re-admission too), and
+    a save would commit them to the host for everyone. The connector takes them out of the prefix
+    cache: the next request on that prefix computes its own blocks, and a save copies those."""
     side = make_side(pool, clock, prefetch=False)
     shared, own = chain("p", 3), chain("b", 1)
     req, blocks = b_matches_the_shared_prefix_on_host(side, pool, shared, own, admitted=4)
@@ -305,22 +306,22 @@ def test_blocks_a_failed_load_left_are_not_offloaded_until_recomputed(pool: Bloc
     (load,) = side.build_meta().jobs
     answer(side, TokenCakeMetadata([load]), ok=False)  # the load failed: vLLM will recompute
     assert all(side.host.lookup(h) is None for h in shared)
-    # Session A ends a turn on the same prefix and begins a tool call before B recomputed.
-    finish_turn(side, pool, shared, req_id="ra", session="run:A")
-    side.handle_event(begin(session="run:A"))
-    jobs = side.build_meta().jobs
-    bad = {b.block_id for b in blocks}
-    assert not any(j.kind == "offload" and bad & set(j.device_blocks) for j in jobs)
-    assert all(side.host.lookup(h) is None for h in [*shared, *own])
-    # B recomputed its prompt and finished: the blocks hold the forward's KV and may be saved.
-    req.num_computed_tokens = 4 * BS + 2
-    side.request_finished(req)
-    assert side._suspect == {}
+    assert all(bp.cached_block(pool, h) is None for h in [*shared, *own])
+    assert all(b.block_hash is None and b.ref_cnt == 1 for b in blocks)  # B still holds them
+    assert side.stats.counter("demand_load.uncached_blocks") == 4
+    # B is preempted before it recomputed: vLLM frees its blocks, and nothing can hit them.
+    side.observe_step(0, preempted={"rb"})
     bp.release(pool, blocks)
-    finish_turn(side, pool, shared, req_id="ra2", session="run:A")
-    side.handle_event(begin("s2", session="run:A"))
+    assert all(bp.cached_block(pool, h) is None for h in shared)
+    # Session A runs a turn on the same prefix: computed afresh, then saved from those blocks.
+    fresh = finish_turn(side, pool, shared, req_id="ra", session="run:A")
+    side.handle_event(begin(session="run:A"))
     (offload,) = side.build_meta().jobs
-    assert offload.kind == "offload" and set(offload.device_blocks) <= bad
+    assert offload.kind == "offload" and offload.device_blocks == [b.block_id for b in fresh]
+    answer(side, TokenCakeMetadata([offload]))
+    assert all(side.host.lookup(h) is not None for h in shared)
+    assert side._suspect == {}
+    assert_no_pins(pool)
 
 
 def load_and_stall_on_the_same_chain(
@@ -398,6 +399,33 @@ def test_a_failed_load_plan_marks_its_blocks_as_a_failed_load_does(pool: BlockPo
     (job,) = side.build_meta().jobs
     assert job.kind == "load" and job.invalid
     assert set(side._suspect) == {b.block_id for b in blocks}
+    assert all(bp.cached_block(pool, h) is None for h in [*shared, *own])
+    bp.release(pool, blocks)
+    assert_no_pins(pool)
+
+
+def test_a_failed_admission_reports_its_own_blocks_not_an_earlier_admissions(
+    pool: BlockPool, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fail_load`` (the connector's last resort when ``update_state_after_alloc`` raises) marks
+    the blocks this admission mapped the external tokens to: a request admitted before from a
+    longer device hit (then preempted) must not have that earlier start reused, or the blocks in
+    between would be taken as loaded though nothing wrote them."""
+    side = make_side(pool, clock, prefetch=False)
+    shared, own = chain("p", 3), chain("b", 1)
+    req, blocks = b_matches_the_shared_prefix_on_host(side, pool, shared, own, admitted=4)
+    side._usa_req, side._usa_first = "rb", 2  # what its earlier admission left
+
+    def broken(_session_id: str) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(side, "_unwatch_critical", broken)
+    ids = [b.block_id for b in blocks]
+    with pytest.raises(RuntimeError):
+        side.update_state_after_alloc(req, ids, 3 * BS)
+    side.fail_load(req, ids, 3 * BS)
+    (job,) = side.build_meta().jobs
+    assert job.kind == "load" and job.invalid and job.device_blocks == ids[:3]
     bp.release(pool, blocks)
     assert_no_pins(pool)
 
@@ -528,6 +556,30 @@ def test_prefetch_restores_the_device_prefix_cache(pool: BlockPool, clock: Clock
     lost = request("r3", chain("l", 2), 2 * BS + 1)
     side.on_new_request(lost)
     assert side.request_finished(lost) is None
+
+
+def test_a_prefetch_does_not_publish_a_host_copy_dropped_while_it_was_copied(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """A failed load of the same host slot drops it meanwhile ("may be bad"); the prefetch copied
+    the same bytes, so those blocks stay out of the prefix cache too."""
+    side = make_side(pool, clock)
+    hashes = chain("p", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin(predicted=5.0))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    clock.t += 5.0
+    meta = side.build_meta()
+    (job,) = meta.jobs
+    assert job.kind == "prefetch"
+    side.host.drop(hashes[1])
+    answer(side, meta)
+    assert bp.cached_block(pool, hashes[0]) is not None and bp.cached_block(pool, hashes[1]) is None
+    assert side.stats.counter("prefetch.source_dropped") == 1
+    side.release_device_holds()
+    evict_all(pool)
+    assert_no_pins(pool)
 
 
 def test_early_end_prefetches_at_once(pool: BlockPool, clock: Clock) -> None:
@@ -1539,7 +1591,7 @@ def test_the_critical_reserve_is_not_lent_to_a_fresh_non_critical_admission(
 ) -> None:
     side = make_side(pool, clock, prefetch_quantile=None)
     _critical_and_other_held(side, pool, clock)
-    big = request("big", chain("w", 1), 14 * BS, session=None)  # 14 blocks + 1 spare: all 4 held
+    big = request("big", chain("w", 1), 14 * BS, session="run:W")  # 14 blocks + 1 spare: all 4 held
     side.on_new_request(big)
     side.get_num_new_matched_tokens(big, 0)
     # B's hold alone would not make room and A's is reserved: nothing goes, the request waits.
@@ -1551,12 +1603,24 @@ def test_the_critical_reserve_is_not_lent_to_a_fresh_non_critical_admission(
     assert side.stats.counter("hold.released.room") == 2
 
 
+def test_a_plain_request_is_not_held_back_by_the_critical_reserve(pool: BlockPool, clock: Clock) -> None:
+    """Plain requests (no TokenCake metadata) are served first come, first served: one that needs
+    the reserved blocks takes them — a denial would let the plain requests behind it go first."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _critical_and_other_held(side, pool, clock)
+    big = request("big", chain("w", 1), 14 * BS, session=None)
+    side.on_new_request(big)
+    assert side.get_num_new_matched_tokens(big, 0) == 0
+    assert not side._kept and bp.num_free(pool) == 15
+    assert side.stats.counter("spatial.reserve_denials") == 0
+
+
 def test_the_critical_reserve_yields_non_critical_holds_first_and_never_to_critical_requests(
     pool: BlockPool, clock: Clock
 ) -> None:
     side = make_side(pool, clock, prefetch_quantile=None)
     _critical_and_other_held(side, pool, clock)
-    mid = request("mid", chain("m", 1), 12 * BS, session=None)  # needs 2 of the 4 held blocks
+    mid = request("mid", chain("m", 1), 12 * BS, session="run:M")  # needs 2 of the 4 held blocks
     side.on_new_request(mid)
     side.get_num_new_matched_tokens(mid, 0)
     # B returns sooner but is not on the critical path: its hold goes, A's stays.
@@ -1574,7 +1638,7 @@ def test_the_critical_reserve_is_capped_and_off_without_the_spatial_scheduler(
         side = make_side(pool, clock, prefetch_quantile=None, critical_reserve_frac=frac)
         _critical_and_other_held(side, pool, clock)
         side.critical_last = critical_last
-        big = request(f"big{frac}", chain(f"w{frac}", 1), 14 * BS, session=None)
+        big = request(f"big{frac}", chain(f"w{frac}", 1), 14 * BS, session="run:W")
         side.on_new_request(big)
         side.get_num_new_matched_tokens(big, 0)
         assert not side._kept, (critical_last, frac)
@@ -1594,6 +1658,57 @@ def test_a_stuck_engine_releases_the_critical_reserve_too(pool: BlockPool, clock
         assert set(side._kept) == left
     assert side.stats.counter("hold.released.pressure") == 2
     assert side.stats.histogram("spatial.reserved_frac")["count"] >= 2
+
+
+def test_held_chains_yield_to_a_running_request_before_vllm_preempts_one(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """vLLM asks ``has_pending_block_frees`` right before it preempts a running request that found
+    no free block: held chains (device copies of host KV) go first — latest return first, the
+    critical reserve included — one at a time until a block frees, and no waiting request is
+    admitted in that pass (the freed blocks are the running request's next step). With nothing
+    held left, vLLM preempts as stock vLLM does."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _critical_and_other_held(side, pool, clock)  # B (not critical) and A (critical), 2 blocks each
+    running = bp.allocate(pool, bp.num_free(pool))  # the running requests hold every free block
+    assert side.free_for_running() is True
+    assert set(side._kept) == {"run:A"} and bp.num_free(pool) == 2
+    waiting = request("w", chain("w", 1), BS, session=None)
+    side.on_new_request(waiting)
+    assert side.get_num_new_matched_tokens(waiting, 0) is None  # not in this pass
+    side.observe_step(BS, num_running=len(running))  # the pass is over
+    assert side.get_num_new_matched_tokens(waiting, 0) == 0
+    running += bp.allocate(pool, 2)  # the running request took them; another one is short now
+    assert side.free_for_running() is True and not side._kept
+    running += bp.allocate(pool, 2)
+    assert side.free_for_running() is False  # nothing held: vLLM preempts
+    assert side.stats.counter("hold.yielded_to_running") == 2
+    assert side.stats.counter("hold.admission_waits_for_running") == 1
+    bp.release(pool, running)
+    assert_no_pins(pool)
+
+
+@pytest.mark.parametrize(
+    ("lookahead", "watermark", "released"), [(0, 0.0, False), (BS, 0.0, True), (0, 0.1, True)]
+)
+def test_room_for_an_admission_counts_vllms_lookahead_slots_and_watermark(
+    pool: BlockPool, clock: Clock, lookahead: int, watermark: float, released: bool
+) -> None:
+    """vLLM admits a request only if its prompt's blocks, its speculative lookahead slots and (while
+    requests run) the watermark fit: a hold released for less would leave the request failing its
+    allocation — and blocking vLLM's admission loop — every step."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 1.0)
+    assert bp.num_free(pool) == 13
+    side.observe_step(BS, num_running=1)
+    side.lookahead_tokens, side.watermark = lookahead, watermark
+    req = request("q", chain("q", 1), 13 * BS, session=None)  # 13 blocks: fits only without either
+    side.on_new_request(req)
+    side.get_num_new_matched_tokens(req, 0)
+    assert (not side._kept) is released
+    evict_all(pool)
+    side.release_device_holds()
+    assert_no_pins(pool)
 
 
 # ------------------------------------------------------------------ KV policies (issue 10)
@@ -2461,7 +2576,7 @@ def test_a_reserve_denial_lets_vllm_look_at_the_next_request(pool: BlockPool, cl
     a failed allocation would stop vLLM's admission loop for every smaller request behind it."""
     side = make_side(pool, clock, prefetch_quantile=None)
     _critical_and_other_held(side, pool, clock)
-    big = request("big", chain("w", 1), 14 * BS, session=None)
+    big = request("big", chain("w", 1), 14 * BS, session="run:W")
     side.on_new_request(big)
     assert side.get_num_new_matched_tokens(big, 0) is None
     assert side.stats.counter("spatial.reserve_denials") == 1

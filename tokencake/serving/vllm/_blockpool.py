@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import vllm
@@ -99,6 +99,15 @@ def release(pool: BlockPool, blocks: Sequence[KVCacheBlock]) -> None:
 def allocate(pool: BlockPool, n: int) -> list[KVCacheBlock]:
     """``n`` fresh blocks (ref 1, no hash); may evict the least recently used cached blocks."""
     return pool.get_new_blocks(n)
+
+
+def uncache(pool: BlockPool, block_ids: Iterable[int]) -> None:
+    """Take ``block_ids`` out of the prefix cache (their hashes go; references and the free queue
+    stay): no request can hit them again. Public ``BlockPool.evict_blocks``, what vLLM itself does
+    to blocks whose load failed under its ``fail`` policy."""
+    ids = set(block_ids)
+    if ids:
+        pool.evict_blocks(ids)
 
 
 def num_free(pool: BlockPool) -> int:

@@ -89,6 +89,16 @@ def _geometry(kv_cache_config: KVCacheConfig) -> tuple[int, int, int]:
     return int(spec.block_size), block_bytes, int(kv_cache_config.num_blocks)
 
 
+def _check_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Raise when vLLM's scheduler counts blocks of another size than the KV spec's: with decode
+    context parallelism over a sharded spec, a scheduler block (and its hash) spans ``dcp`` spec
+    blocks, and every position the connector maps between hashes and block ids would be off."""
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    if dcp > 1 and getattr(spec, "dcp_sharded", False):
+        raise ValueError(f"decode context parallelism ({dcp}) is not supported")
+
+
 def host_pool_blocks(extra: dict[str, Any], block_bytes: int) -> int:
     """Host pool size in blocks from ``host_pool_blocks`` or ``host_pool_gib`` (same on both roles)."""
     if extra.get("host_pool_blocks") is not None:
@@ -141,6 +151,15 @@ def _extra_choice(extra: Mapping[str, Any], name: str, choices: Sequence[str], d
         return value
     log.warning("TokenCake: unknown %s %r (choose from %s); using %s", name, raw, ", ".join(choices), default)
     return default
+
+
+def _lookahead_tokens(vllm_config: VllmConfig) -> int:
+    """KV slots vLLM's admission reserves past a request's tokens (speculative decoding); 0 when
+    the config cannot say (the room a hold yields is then vLLM's prompt test alone)."""
+    try:
+        return max(0, int(vllm_config.num_lookahead_tokens or 0))
+    except Exception:
+        return 0
 
 
 def _options(extra: dict[str, Any]) -> Options:
@@ -256,6 +275,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
             if not vllm_config.cache_config.enable_prefix_caching:
                 raise ValueError("prefix caching is disabled (TokenCake needs it)")
             block_size, block_bytes, num_device_blocks = _geometry(kv_cache_config)
+            _check_block_size(vllm_config, kv_cache_config)
             num_host = host_pool_blocks(extra, block_bytes)
         except Exception as exc:
             self.disabled = f"{type(exc).__name__}: {exc}"
@@ -295,6 +315,8 @@ class TokenCakeConnector(KVConnectorBase_V1):
             num_host_blocks=num_host,
             num_workers=vllm_config.parallel_config.world_size,
             max_step_tokens=int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 2048),
+            lookahead_tokens=_lookahead_tokens(vllm_config),
+            watermark=float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0),
             device_is_cuda=cuda,
             options=opts,
             profile=PrefillProfile(device_is_cuda=cuda, path=_profile_file(vllm_config, extra, cuda)),
@@ -519,6 +541,14 @@ class TokenCakeConnector(KVConnectorBase_V1):
         if self.sched is None:
             return None
         return self._ask("reset_cache", lambda s: s.reset_cache(), False)
+
+    @_timed
+    def has_pending_block_frees(self) -> bool:
+        """vLLM asks this right before it would preempt a running request that found no free
+        block: the chains TokenCake holds on device are given back instead (``free_for_running``)."""
+        if self.sched is None:
+            return False
+        return self._ask("has_pending_block_frees", lambda s: s.free_for_running(), False)
 
     @_timed
     def has_pending_push_work(self) -> bool:

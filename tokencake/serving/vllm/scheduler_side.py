@@ -33,7 +33,8 @@ Rules that keep vLLM correct: every device block we pin or allocate is released 
 ``wait_for_save``: a block hashed this step holds its KV only then); a block is published in
 the prefix cache only after its copy is confirmed, and only when no other block serves its hash;
 a prefetch only brings back blocks that extend an unbroken chain from block 0; a failed load is
-reported so vLLM recomputes; nothing from before a ``reset_cache`` is committed or published.
+reported so vLLM recomputes, and its blocks leave the prefix cache; nothing from before a
+``reset_cache`` is committed or published.
 """
 
 from __future__ import annotations
@@ -70,9 +71,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.tokencake")
 
-#: Suspect blocks (bad KV a failed load left under a valid hash) tracked before the entries of
-#: blocks reused since are pruned; bounded by the device blocks anyway.
-MAX_SUSPECT_BLOCKS = 4096
 #: How often an otherwise idle engine steps while copies given up after ``job_timeout_s`` are
 #: still out (their late reports release device blocks and host slots).
 ABANDONED_POLL_S = 1.0
@@ -298,6 +296,8 @@ class SchedulerSide:
         num_workers: int = 1,
         device_is_cuda: bool = False,
         max_step_tokens: int = 2048,
+        lookahead_tokens: int = 0,
+        watermark: float = 0.0,
         options: Options | None = None,
         clock: Callable[[], float] = time.monotonic,
         profile: PrefillProfile | None = None,
@@ -305,6 +305,10 @@ class SchedulerSide:
         self.opts = options or Options()
         #: One step may schedule this many new tokens (vLLM's max_num_batched_tokens).
         self.max_step_tokens = max(1, int(max_step_tokens))
+        #: vLLM's admission also wants slots for these (speculative tokens) and, while requests
+        #: run, this share of the device left free (``--watermark``): ``_make_room`` counts both.
+        self.lookahead_tokens = max(0, int(lookahead_tokens))
+        self.watermark = max(0.0, float(watermark))
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.num_workers = max(1, num_workers)
@@ -377,10 +381,10 @@ class SchedulerSide:
         #: device block id -> the hash whose KV a host copy (prefetch or load) wrote into it. A hit
         #: on such a block serves copied KV, whichever session's copy put it there (provenance).
         self._copied: dict[int, bytes] = {}
-        #: Device block id -> (its prefix-cache key, request id, position) of blocks a failed load
-        #: left with bad KV under a valid hash, until their request recomputes them or the block
-        #: is reused: never copied to the host (``_chain`` treats them as absent).
-        self._suspect: dict[int, tuple[Any, str, int]] = {}
+        #: Device block id -> the first job id planned after a failed load left bad KV in it (and
+        #: took it out of the prefix cache, ``_mark_suspect``): a save of it planned before that
+        #: is not committed. Dropped once no copy planned before the mark is in flight.
+        self._suspect: dict[int, int] = {}
         #: Requests not yet admitted -> blocks their prompt needs (the queue's KV demand).
         self._waiting: dict[str, int] = {}
         #: Admitted requests not finished yet (a preempted one goes back to ``_waiting``).
@@ -417,6 +421,9 @@ class SchedulerSide:
         self._last_step: tuple[float, int] | None = None
         #: Requests the last step scheduled (each may need a new block for its next token).
         self._running = 0
+        #: Holds yielded to a running request this scheduling pass (``free_for_running``): the
+        #: pass admits no waiting request, so the freed blocks are the running request's.
+        self._running_short = False
         self._last_risk: float | None = None
         self._usa_req: str | None = None
         self._usa_first = 0
@@ -563,8 +570,6 @@ class SchedulerSide:
         """
         req_id = request.request_id
         provenance = self._provenance.pop(req_id, None)
-        if self._suspect:
-            self._clear_recomputed(request)
         self._finish(request)
         return provenance
 
@@ -671,31 +676,12 @@ class SchedulerSide:
         assert self.pool is not None
         chain: list[tuple[int, bytes, Any, int | None]] = []
         for i, h in enumerate(hashes):
-            dev = bp.cached_block(self.pool, h)
-            if dev is not None and self._suspect and self._is_suspect(dev):
-                dev = None  # bad KV from a failed load, not recomputed yet: not a usable copy
+            dev = bp.cached_block(self.pool, h)  # (bad KV a failed load left is uncached)
             slot = self.host.lookup(h)
             if dev is None and slot is None:
                 break
             chain.append((i, h, dev, slot))
         return chain
-
-    def _is_suspect(self, block: Any) -> bool:
-        """Whether ``block`` still holds the bad KV a failed load left (see ``_suspect``)."""
-        entry = self._suspect.get(block.block_id)
-        if entry is None:
-            return False
-        if block.block_hash != entry[0]:  # evicted and reused since: fresh KV
-            del self._suspect[block.block_id]
-            return False
-        return True
-
-    def _clear_recomputed(self, request: Request) -> None:
-        """The request's blocks it has computed again are no longer suspect."""
-        req_id, done = request.request_id, int(getattr(request, "num_computed_tokens", 0) or 0)
-        for bid, (_key, rid, pos) in list(self._suspect.items()):
-            if rid == req_id and done >= (pos + 1) * self.block_size:
-                del self._suspect[bid]
 
     def _gate_input(
         self, chain: list, predicted_s: float, elapsed_s: float, known: bool, now: float, session_id: str = ""
@@ -1013,14 +999,16 @@ class SchedulerSide:
     def _protected(self, info: _ReqInfo | None, waited_s: float) -> frozenset[str]:
         """Critical-path sessions whose held blocks this admission may not take (the reserve).
 
-        Only with the spatial scheduler on, only against a non-critical or plain request that has
+        Only with the spatial scheduler on, only against a non-critical agent request that has
         waited less than ``critical_reserve_wait_s`` (past it the reserve is lent: nothing starves),
         and at most ``critical_reserve_frac`` of the device: the holds of the critical sessions
         that return soonest, while their blocks fit in that share. Nothing is set aside when no
         critical chain is held (work-conserving), and running requests are never denied blocks
-        (``_tick_keeps`` releases holds for them whatever is protected).
+        (``_tick_keeps`` and ``free_for_running`` release holds for them whatever is protected).
+        Plain requests (no TokenCake metadata) are never held back: a denied one would let the
+        plain requests behind it go first, and they are served first come, first served.
         """
-        if not self.critical_last or self.pool is None or (info is not None and info.critical):
+        if not self.critical_last or self.pool is None or info is None or info.critical:
             return frozenset()
         if waited_s >= self.opts.critical_reserve_wait_s:
             return frozenset()
@@ -1053,6 +1041,28 @@ class SchedulerSide:
             latest = max(self._kept.values(), key=self._hold_rank)
             self._unkeep(latest.session_id, "pressure")
 
+    def free_for_running(self) -> bool:
+        """vLLM found no free block for a running request and is about to preempt one (it asks
+        ``has_pending_block_frees`` first). A held chain is a device copy of KV we chose to keep,
+        so it yields before any running request loses its own: release holds (latest return
+        first, critical ones last, the reserve included) until a block frees.
+
+        True: vLLM schedules no further running request this pass, and this pass admits no
+        waiting one (``get_num_new_matched_tokens`` says "next step"), so the request allocates
+        next step instead of being preempted. False (nothing held, or releasing frees nothing:
+        the blocks are shared with running requests): vLLM preempts, as stock vLLM does.
+        """
+        pool = self.pool
+        if pool is None or not self._kept:
+            return False
+        before = bp.num_free(pool)
+        self._release_kept_until(lambda: bp.num_free(pool) > before, "running")
+        if bp.num_free(pool) <= before:
+            return False
+        self._running_short = True
+        self.stats.inc("hold.yielded_to_running")
+        return True
+
     def _reserve_blocks(self) -> int:
         assert self.pool is not None
         return max(
@@ -1083,14 +1093,18 @@ class SchedulerSide:
         info = self._reqs.get(request.request_id)
         own = info.session_id if info is not None else ""
         computed = list(request.block_hashes)[: num_computed_tokens // self.block_size]
-        # vLLM's own test in ``allocate_slots``: the blocks the whole prompt takes beyond its hits,
-        # plus the hits that sit in the free queue (it counts them against the free blocks too).
-        # An upper bound when vLLM schedules only a chunk of the prompt this step.
+        # vLLM's own test in ``allocate_slots``: the blocks the whole prompt (and its lookahead
+        # slots) takes beyond its hits, plus the hits that sit in the free queue (it counts them
+        # against the free blocks too), plus the watermark while requests run. An upper bound
+        # when vLLM schedules only a chunk of the prompt this step.
         evictable = 0
         for h in computed:
             block = bp.cached_block(pool, bytes(h))
             evictable += block is not None and block.ref_cnt == 0
-        need = -(-int(request.num_tokens) // self.block_size) - len(computed) + evictable
+        slots = int(request.num_tokens) + self.lookahead_tokens
+        need = -(-slots // self.block_size) - len(computed) + evictable
+        if self._running:
+            need += int(self.watermark * pool.num_gpu_blocks)
         waited = self._reserve_waited(request.request_id)
         own_hits = frozenset(bytes(h) for h in computed)
         if self._kept and bp.num_free(pool) < need:
@@ -1250,6 +1264,9 @@ class SchedulerSide:
         req_id = request.request_id
         if req_id in self._arrival and req_id not in self._first_look:
             self._first_look[req_id] = self.clock()
+        if self._running_short:  # a running request gets the blocks held chains just gave back
+            self.stats.inc("hold.admission_waits_for_running")
+            return None
         info = self._reqs.get(req_id)
         if info is not None:
             self._local_hit[req_id] = num_computed_tokens
@@ -1340,6 +1357,11 @@ class SchedulerSide:
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         req_id = request.request_id
+        # Where the external tokens start, set first: if anything below raises, ``fail_load``
+        # must report this admission's blocks (not a previous admission's of the same request).
+        planned = self._pending_load.get(req_id)
+        self._usa_req = req_id
+        self._usa_first = planned[0] if planned else self._local_hit.get(req_id, 0) // self.block_size
         self._waiting.pop(req_id, None)
         self._admitted[req_id] = request  # to find it again if vLLM preempts it (observe_step)
         reserve_waited = self._reserve_waited(req_id)  # by the reserve's clock (inf: re-admission)
@@ -1371,7 +1393,6 @@ class SchedulerSide:
             self._record_provenance(request, info, local, num_external_tokens)
         except Exception:
             self.stats.inc("errors.provenance")
-        self._usa_req, self._usa_first = req_id, (pending[0] if pending else local // self.block_size)
         try:
             if self._account_next_turn(request, local, num_external_tokens) and arrived is not None:
                 self._first_token[req_id] = (request, arrived)
@@ -1930,6 +1951,7 @@ class SchedulerSide:
         ``preempted``: ids of requests vLLM put back in its waiting queue this step. vLLM tells the
         connector nothing else about them, and a hold must not keep them waiting while the engine
         idles (``_tick_keeps``), nor a prefetch take the room they need."""
+        self._running_short = False  # the pass it was set in is over
         preempted = list(preempted)
         for req_id in preempted:
             request = self._admitted.get(req_id)
@@ -2334,6 +2356,8 @@ class SchedulerSide:
                 log.exception("TokenCake: completing job %d failed", job_id)
                 self._jobs.pop(job_id, None)
                 self._release(job)
+        if self._suspect:
+            self._prune_suspect()
 
     def _complete(self, job: _Job, *, ok: bool, seconds: float, error: str | None) -> None:
         self._jobs.pop(job.job_id, None)
@@ -2385,8 +2409,9 @@ class SchedulerSide:
             if self._filling.get(h) == job.job_id:
                 del self._filling[h]
             # The device block was pinned the whole time, so it must still hold this hash; and a
-            # demand load that failed meanwhile may have left its KV computed from bad KV.
-            suspect = bool(self._suspect) and self._is_suspect(block)
+            # demand load that failed meanwhile may have left its KV computed from bad KV (such a
+            # block lost its hash then, ``_mark_suspect``, so ``has_hash`` fails too).
+            suspect = self._suspect.get(block.block_id, -1) > job.job_id
             if ok and bp.has_hash(block, h) and not suspect:
                 used = self.host.commit(h, slot)
                 if stall is not None and stall.offloaded:
@@ -2418,8 +2443,13 @@ class SchedulerSide:
         stall = self._stall(job.stall_id or "")
         published: list[bytes] = []
         if ok and self.pool is not None:
-            for h, pos, block in zip(job.hashes, job.positions, job.device_blocks, strict=True):
-                if bp.register(self.pool, block, h, (pos + 1) * self.block_size):
+            copied = zip(job.hashes, job.positions, job.device_blocks, job.slots, strict=True)
+            for h, pos, block, slot in copied:
+                if self.host.hash_of(slot) != h:
+                    # A failed load of the same slot dropped it meanwhile ("may be bad"): the
+                    # prefetch copied the same bytes, so they are not published either.
+                    self.stats.inc("prefetch.source_dropped")
+                elif bp.register(self.pool, block, h, (pos + 1) * self.block_size):
                     published.append(h)
                     self._copied[block.block_id] = h
                 else:
@@ -2474,30 +2504,40 @@ class SchedulerSide:
             self._mark_suspect(job.req_id or "", first, ids)
 
     def _mark_suspect(self, req_id: str, first: int, block_ids: Sequence[int]) -> None:
-        """A demand load of ``req_id`` failed from position ``first``: vLLM keeps the hashes of
-        the failed blocks, and of those computed from them, until the request recomputes them, so
-        no offload may copy them meanwhile (nor commit a copy already made: ``_complete_offload``).
+        """A demand load of ``req_id`` failed from position ``first``: the failed blocks, and those
+        computed from them, hold bad KV under valid hashes. vLLM's ``recompute`` policy (which the
+        connector sets) keeps those hashes, trusting the request to recompute the blocks at once;
+        a preemption before that, a later chunk, or another request's hit would serve them (and a
+        save would commit them to the host). So they leave the prefix cache here (``uncache``: the
+        request still recomputes them, they just are not shared afterwards), and a copy of them
+        already made is not committed (``_complete_offload``).
 
         ``block_ids``: the request's blocks from ``first`` on, as allocated at admission. A later
         prefill chunk's blocks (scheduled before the failure was known, with async scheduling)
         are found by the request's own block hashes; a block another request cached under such a
-        hash is marked too (conservative: it is only saved later).
+        hash is marked too (conservative: it only stops being shared).
         """
         if self.pool is None:
             return
-        for pos, bid in enumerate(block_ids, start=first):
-            key = self.pool.blocks[bid].block_hash
-            if key is not None:
-                self._suspect[bid] = (key, req_id, pos)
+        marked = [bid for bid in block_ids if self.pool.blocks[bid].block_hash is not None]
         request = self._admitted.get(req_id)
         hashes = list(getattr(request, "block_hashes", None) or ())
         for pos in range(first + len(block_ids), len(hashes)):
             block = bp.cached_block(self.pool, bytes(hashes[pos]))
-            if block is not None and block.block_hash is not None:
-                self._suspect[block.block_id] = (block.block_hash, req_id, pos)
-        if len(self._suspect) > MAX_SUSPECT_BLOCKS:
-            for bid in list(self._suspect):  # drop the entries of blocks reused since
-                self._is_suspect(self.pool.blocks[bid])
+            if block is not None:
+                marked.append(block.block_id)
+        for bid in marked:
+            self._suspect[bid] = self._next_job
+        if marked:
+            bp.uncache(self.pool, marked)
+            self.stats.inc("demand_load.uncached_blocks", len(marked))
+
+    def _prune_suspect(self) -> None:
+        """Forget marks that no copy in flight was planned before (``_suspect``)."""
+        oldest = min(self._jobs, default=self._next_job)
+        for bid, mark in list(self._suspect.items()):
+            if mark <= oldest:
+                del self._suspect[bid]
 
     def _release(self, job: _Job) -> None:
         """Drop every pin the job holds (device refs and host slot pins), exactly once."""
