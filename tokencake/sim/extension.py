@@ -159,6 +159,8 @@ class KVExtension:
         self._jobs: list[_Job] = []
         self._filling: dict[bytes, _Job] = {}
         self._holds: dict[str, _Hold] = {}
+        #: A running request found no free block this pass (``free_for_running``).
+        self._short_pass = False
         # Insertion-ordered (dicts, not sets): the simulation must not depend on object addresses.
         self._demoted: dict[_Stall, None] = {}
         self._pending_copy_s = 0.0
@@ -568,6 +570,7 @@ class KVExtension:
         if self.cache.num_free <= before:
             return False
         self.stats["hold.yielded_to_running"] += 1
+        self._short_pass = True  # this step's prefetches spare none of them (``_keep_free``)
         return True
 
     def _held_blocks(self, of: Callable[[str], bool]) -> int:
@@ -797,6 +800,8 @@ class KVExtension:
         """Blocks a prefetch must leave free (the connector's ``_keep_free``): the larger of the
         reserve, one per running request and what the queued requests but ``exclude`` need."""
         assert self.engine is not None
+        if self._short_pass:
+            return self.cache.num_free
         return max(self._reserve(), len(self.engine.running), self.engine.waiting_blocks(exclude=exclude))
 
     def _chain_state(self, keys: Sequence[Any]) -> tuple[int, int]:
@@ -1091,6 +1096,7 @@ class KVExtension:
                 self._try_prefetch(stall)
             for stall in list(self._topups):
                 self._try_topup(stall)
+        self._short_pass = False  # the step after the pass that set it is over
         for stall_id in self.planner.expired(now):
             stall = self._pop_stall(stall_id)
             if stall is not None and self._session_stall.get(stall.session.session_id) is stall:

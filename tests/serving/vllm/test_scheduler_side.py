@@ -1677,7 +1677,10 @@ def test_held_chains_yield_to_a_running_request_before_vllm_preempts_one(
     side.on_new_request(waiting)
     assert side.get_num_new_matched_tokens(waiting, 0) is None  # not in this pass
     side.observe_step(BS, num_running=len(running))  # the pass is over
+    assert side._keep_free() == bp.num_free(pool) == 2  # its step's prefetches take none of them
     assert side.get_num_new_matched_tokens(waiting, 0) == 0
+    side.observe_step(BS, num_running=len(running))
+    assert side._keep_free() == len(running)  # the next step: the usual rule again
     running += bp.allocate(pool, 2)  # the running request took them; another one is short now
     assert side.free_for_running() is True and not side._kept
     running += bp.allocate(pool, 2)

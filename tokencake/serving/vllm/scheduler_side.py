@@ -424,6 +424,9 @@ class SchedulerSide:
         #: Holds yielded to a running request this scheduling pass (``free_for_running``): the
         #: pass admits no waiting request, so the freed blocks are the running request's.
         self._running_short = False
+        #: The last pass ended that way: its step spares no block for a prefetch (``_keep_free``),
+        #: or the blocks just given back would be taken again before the running request's turn.
+        self._short_pass = False
         self._last_risk: float | None = None
         self._usa_req: str | None = None
         self._usa_first = 0
@@ -1072,8 +1075,11 @@ class SchedulerSide:
     def _keep_free(self, exclude: str | None = None) -> int:
         """Device blocks a prefetch must leave free: the larger of the reserve, one block per
         running request (a decode that finds none preempts someone) and what the queued requests
-        (but ``exclude``) need. The prefetch budget and the readiness ``no_room`` test share it, so
+        (but ``exclude``) need — every free block in the step after a running request found none
+        (``free_for_running``). The prefetch budget and the readiness ``no_room`` test share it, so
         "no room" means exactly "the budget rule would not have uploaded it"."""
+        if self._short_pass and self.pool is not None:
+            return bp.num_free(self.pool)  # a running request found no block: none to spare
         queued = sum(n for r, n in self._waiting.items() if r != exclude)
         return max(self._reserve_blocks(), self._running, queued)
 
@@ -1951,7 +1957,7 @@ class SchedulerSide:
         ``preempted``: ids of requests vLLM put back in its waiting queue this step. vLLM tells the
         connector nothing else about them, and a hold must not keep them waiting while the engine
         idles (``_tick_keeps``), nor a prefetch take the room they need."""
-        self._running_short = False  # the pass it was set in is over
+        self._short_pass, self._running_short = self._running_short, False  # that pass is over
         preempted = list(preempted)
         for req_id in preempted:
             request = self._admitted.get(req_id)

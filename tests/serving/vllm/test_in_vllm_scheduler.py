@@ -1,0 +1,152 @@
+"""The connector inside vLLM's own ``Scheduler`` (real admission and preemption loop, no model).
+
+The scheduler-side unit tests drive the connector's hooks one by one; these run vLLM 0.32's
+``Scheduler.schedule`` / ``update_from_output`` with the connector built by vLLM itself, so the
+order in which vLLM calls the hooks within a step is the real one. The model runner is replaced
+by a one-token answer per scheduled request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from tokencake.serving.model import default_model_dir
+from tokencake.serving.vllm import _blockpool as bp
+from tokencake.serving.vllm.connector import TokenCakeConnector
+from tokencake.serving.vllm.scheduler_side import _Keep
+
+BS = 16
+NUM_BLOCKS = 12
+
+
+@pytest.fixture(scope="module")
+def vllm_config() -> VllmConfig:
+    model_dir = default_model_dir()
+    if not (model_dir / "config.json").exists():
+        pytest.skip(f"no model at {model_dir} (make model)")
+    cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
+    cache.num_gpu_blocks = NUM_BLOCKS
+    kvt = KVTransferConfig(
+        kv_connector="TokenCakeConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="tokencake.serving.vllm.connector",
+        kv_connector_extra_config={"host_pool_blocks": 16, "wake_idle_engine": False, "events_port": 0},
+    )
+    return VllmConfig(
+        model_config=ModelConfig(
+            model=str(model_dir), max_model_len=1024, dtype="float32", skip_tokenizer_init=True
+        ),
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=1024, max_num_seqs=16, max_model_len=1024, is_encoder_decoder=False
+        ),
+        kv_transfer_config=kvt,
+    )
+
+
+@pytest.fixture
+def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
+    kv = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["l0"], FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32)
+            )
+        ],
+    )
+    sched = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BS,
+        log_stats=False,
+    )
+    assert isinstance(sched.connector, TokenCakeConnector) and sched.connector.sched is not None
+    yield sched
+    sched.connector.shutdown()
+
+
+def _request(req_id: str, tokens: int, token: int) -> Request:
+    init_none_hash(sha256)
+    return Request(
+        req_id,
+        [token] * tokens,
+        SamplingParams(max_tokens=8, ignore_eos=True),
+        None,
+        arrival_time=time.time(),
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
+
+
+def _step(sched: Scheduler) -> SchedulerOutput:
+    """One engine step: vLLM schedules, the "model" samples one token per scheduled request."""
+    out = sched.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sched.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids],
+        ),
+    )
+    return out
+
+
+def test_a_held_chain_yields_to_a_running_request_instead_of_a_preemption(scheduler: Scheduler) -> None:
+    """A running request's next token needs a new block and none is free, but TokenCake holds a
+    chain for an idle session: vLLM asks ``has_pending_block_frees`` before it preempts, the hold
+    is released, the request waits one step (nothing is admitted past it into the freed blocks)
+    and then decodes — no preemption, nothing recomputed."""
+    conn: Any = scheduler.connector
+    side = conn.sched
+    pool = side.pool
+    r1 = _request("r1", 2 * BS, 3)  # its first decode token starts a third block
+    scheduler.add_request(r1)
+    assert dict(_step(scheduler).num_scheduled_tokens) == {"r1": 2 * BS}
+    now = time.monotonic()
+    held = bp.allocate(pool, 2)
+    side._kept["run:H"] = _Keep("run:H", held, until=now + 60, since=now, rank=now + 5, kind="hold")
+    others = bp.allocate(pool, bp.num_free(pool))  # other requests' blocks: none free
+    scheduler.add_request(_request("r2", 8, 5))
+    out = _step(scheduler)
+    assert dict(out.num_scheduled_tokens) == {} and not out.preempted_req_ids
+    assert not side._kept and bp.num_free(pool) == 2
+    assert side.stats.counter("hold.yielded_to_running") == 1
+    assert side.stats.counter("hold.admission_waits_for_running") == 1
+    out = _step(scheduler)
+    assert dict(out.num_scheduled_tokens) == {"r1": 1, "r2": 8} and not out.preempted_req_ids
+    assert r1.num_preemptions == 0 and len(r1.output_token_ids) == 2
+    bp.release(pool, others)
+
+
+def test_without_a_hold_vllm_preempts_as_stock(scheduler: Scheduler) -> None:
+    conn: Any = scheduler.connector
+    pool = conn.sched.pool
+    r1 = _request("r1", 2 * BS, 3)
+    scheduler.add_request(r1)
+    _step(scheduler)
+    others = bp.allocate(pool, bp.num_free(pool))
+    out = _step(scheduler)
+    assert out.preempted_req_ids == {"r1"} and r1.num_preemptions == 1
+    assert conn.sched.stats.counter("hold.yielded_to_running") == 0
+    bp.release(pool, others)
