@@ -564,15 +564,10 @@ def test_a_prefetch_does_not_publish_a_host_copy_dropped_while_it_was_copied(
     """A failed load of the same host slot drops it meanwhile ("may be bad"); the prefetch copied
     the same bytes, so those blocks stay out of the prefix cache too."""
     side = make_side(pool, clock)
-    hashes = chain("p", 3)
-    finish_turn(side, pool, hashes)
-    side.handle_event(begin(predicted=5.0))
-    answer(side, side.build_meta())
-    evict_all(pool)
-    clock.t += 5.0
+    hashes = _offloaded_and_evicted(side, pool, clock, n=3)
+    clock.t += 1.0
     meta = side.build_meta()
-    (job,) = meta.jobs
-    assert job.kind == "prefetch"
+    assert [j.kind for j in meta.jobs] == ["prefetch"]
     side.host.drop(hashes[1])
     answer(side, meta)
     assert bp.cached_block(pool, hashes[0]) is not None and bp.cached_block(pool, hashes[1]) is None
