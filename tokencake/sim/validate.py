@@ -106,6 +106,8 @@ FIXTURES: dict[str, Fixture] = {
     "seed4@pop": Fixture(_DOCS / "unseen-real-4-pop-results.json", "cpu-fast"),
     "seed6@pop": Fixture(_DOCS / "unseen-real-6-pop-results.json", "cpu-fast"),
     "seed7@pop": Fixture(_DOCS / "unseen-real-7-pop-results.json", "cpu-fast"),
+    "seed1@pop": Fixture(_DOCS / "unseen-real-1-pop-results.json", "cpu-fast"),
+    "seed2@pop": Fixture(_DOCS / "unseen-real-2-pop-results.json", "cpu-fast"),
 }
 
 
