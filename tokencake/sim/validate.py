@@ -108,6 +108,7 @@ FIXTURES: dict[str, Fixture] = {
     "seed7@pop": Fixture(_DOCS / "unseen-real-7-pop-results.json", "cpu-fast"),
     "seed1@pop": Fixture(_DOCS / "unseen-real-1-pop-results.json", "cpu-fast"),
     "seed2@pop": Fixture(_DOCS / "unseen-real-2-pop-results.json", "cpu-fast"),
+    "seed5@pop": Fixture(_DOCS / "unseen-real-5-pop-results.json", "cpu-fast"),
 }
 
 
