@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
@@ -182,6 +184,27 @@ def test_due_time_aims_at_a_low_quantile_of_learned_return_ratios(clock: Clock) 
     assert planner.return_ratio("b/slow") == pytest.approx(3.0)
     assert planner.return_ratio("a/crawl") < 1.0
     assert max(planner._ratios) == 100.0
+
+
+def test_the_late_end_of_the_likely_return_mirrors_the_due_quantile(clock: Clock) -> None:
+    """``late_at``: the (1 - q) quantile of the learned ratios (the prior's inverse before any);
+    only predictive plans have one (room is kept for a return between ``due_at`` and it)."""
+    planner = PrefetchPlanner(
+        clock=clock, safety_margin_s=0.0, return_quantile=0.1, prior_ratio=0.5, min_samples=5
+    )
+    plan = planner.begin("p0", "s", predicted_s=4.0, h2d_s=0.0)
+    assert plan.late_at == pytest.approx(clock.t + 2.0 * 4.0)
+    assert planner.begin("e0", "se", predicted_s=4.0, h2d_s=0.0, mode="at_end").late_at == math.inf
+    for i, ratio in enumerate([0.4, 0.6, 0.8, 1.0, 1.4, 1.8, 2.2]):
+        t0 = clock.t
+        planner.begin(f"h{i}", f"s{i}", predicted_s=2.0, h2d_s=0.0, key="a/crawl", now=t0)
+        planner.end(f"h{i}", now=t0 + ratio * 2.0)
+    plan = planner.begin("k", "sk", predicted_s=10.0, h2d_s=0.0, key="a/crawl")
+    assert plan.late_at == pytest.approx(clock.t + 10.0 * 1.96)  # p90 of the seven ratios
+    assert plan.due_at < plan.late_at
+    # Aimed at the forecast itself (no quantile): the window closes at the forecast.
+    exact = PrefetchPlanner(clock=clock, safety_margin_s=0.0, return_quantile=None)
+    assert exact.begin("x", "sx", predicted_s=3.0, h2d_s=0.0).late_at == pytest.approx(clock.t + 3.0)
 
 
 def test_bad_estimates_do_not_move_the_due_time(planner: PrefetchPlanner, clock: Clock) -> None:

@@ -3,10 +3,12 @@ counted as the connector counts them, and the eviction side follows the admissio
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokencake.serving.options import Options
 from tokencake.sim.engine import Engine, Request, Session
 from tokencake.sim.extension import KVExtension, _Arrival, _Hold, _Job
-from tokencake.sim.profiles import get_profile
+from tokencake.sim.profiles import HardwareProfile, get_profile
 from tokencake.sim.run import SYSTEMS
 
 PROFILE = get_profile("cpu-measured").with_(name="unit", block_size=4, max_batched_tokens=16, max_num_seqs=8)
@@ -286,12 +288,12 @@ def test_a_finished_request_leaves_no_arrival_record() -> None:
     assert req.rid not in ext._arrivals
 
 
-def _saved_stall() -> tuple[Engine, KVExtension, Session]:
+def _saved_stall(profile: HardwareProfile = PROFILE, **opts: Any) -> tuple[Engine, KVExtension, Session]:
     """An 8-block device under pressure; session ``a``'s 3-block chain saved on host, its 20 s
     tool running."""
-    opts = Options(policy="tokencake", usage_threshold=0.0, prefetch_reserve_frac=0.0)
-    ext = KVExtension(opts, host_blocks=8)
-    engine = Engine(PROFILE, device_blocks=8, extension=ext, scheduling="fcfs")
+    options = Options(policy="tokencake", usage_threshold=0.0, prefetch_reserve_frac=0.0, **opts)
+    ext = KVExtension(options, host_blocks=8)
+    engine = Engine(profile, device_blocks=8, extension=ext, scheduling="fcfs")
     a = Session("a", "agent", 4)
     engine.submit(Request(0, a, prompt_tokens=13, output_tokens=1, arrival=0.0, next_tool=("t", 20.0)))
     run(engine)
@@ -351,3 +353,39 @@ def test_the_arrival_log_records_the_device_at_each_next_turn() -> None:
     assert entry["chain"] == 3 and entry["running"] == 0 and entry["queued"] == 0
     assert entry["eligible"] is True and entry["ready"] == "prefetched"  # uploaded before it came
     assert entry["room"] is True and entry["missing"] == 0
+
+
+def test_return_reserve_is_auto_by_where_copies_run() -> None:
+    """As the connector: ``auto`` keeps room ahead of returns where copies run beside the
+    forward (the GPU profiles) and not where they share its cores (the CPU ones)."""
+    gpu = get_profile("h200-llama3-8b")
+    assert _saved_stall(gpu.with_(block_size=4))[1]._reserves_returns
+    assert not _saved_stall()[1]._reserves_returns
+    assert _saved_stall(return_reserve="on")[1]._reserves_returns
+
+
+def test_a_due_return_is_uploaded_ahead_of_the_queue_and_its_room_kept() -> None:
+    """As the connector: with kept room the due chain comes back whole although the queue wants
+    the blocks (without it, only the head: ``test_a_partial_prefetch_is_topped_up...``), and an
+    agent request's first admission that would take the room waits; a plain one does not."""
+    engine, ext, a = _saved_stall(return_reserve="on")
+    keys = a.keys(3)
+    engine.cache.release(engine.cache.allocate(engine.cache.num_free))  # saved, then evicted
+    engine._wb = 6  # queued requests need 6 of the 8 free blocks
+    engine.running.append(Request(9, Session("r", "agent", 4), prompt_tokens=4, output_tokens=8, arrival=0.0))
+    engine.idle_until(engine.now + 15.0)  # past the due time, the tool still runs
+    assert ext._returning == {"a": 3}
+    engine.idle_until(engine.now + 0.5)
+    assert all(k in engine.cache.by_key for k in keys) and counters(engine)["prefetch.partial"] == 0
+    free = engine.cache.num_free
+    agent = Request(2, Session("w", "agent", 4), prompt_tokens=8, output_tokens=1, arrival=0.0, run_id="app")
+    plain = Request(3, Session("p", "agent", 4), prompt_tokens=8, output_tokens=1, arrival=0.0)
+    assert ext.deny_for_returns(agent, free - 2) is False  # the chain is back: nothing missing
+    ext._returning = {"a": 3}  # as before the upload: 3 blocks kept
+    assert ext.deny_for_returns(agent, free - 2) is True
+    assert ext.deny_for_returns(agent, free - 3) is False
+    assert ext.deny_for_returns(plain, free - 2) is False
+    own = Request(4, a, prompt_tokens=17, output_tokens=1, arrival=0.0, run_id="app")
+    assert ext.deny_for_returns(own, free) is False
+    engine.running.clear()
+    assert ext.deny_for_returns(agent, free - 2) is False  # nothing runs: never idle the engine

@@ -425,6 +425,8 @@ def extension_summary(
             d.get("histograms.spatial.reserved_frac.sum"), d.get("histograms.spatial.reserved_frac.count")
         ),
         "reserve_denials": c("spatial.reserve_denials"),
+        # Agent admissions that waited a step for room kept ahead of a return (``return_reserve``).
+        "return_reserve_denials": c("return_reserve.denials"),
         # Stalls longer than the transfer lead, judged at the session's next request: was its KV on
         # device (prefetched back, never evicted, or a prefetch copy in flight) or missed?
         "readiness_eligible": eligible,

@@ -198,6 +198,7 @@ ROUND_HEADLINES: dict[str, tuple[str, str]] = {
     "infercept/ideal": ("E2E mean infercept/ideal", ".3f"),
     "stock-connector/baseline": ("E2E mean stock-connector/baseline (connector loaded, no policy)", ".3f"),
     "tokencake/hold-off": ("E2E mean tokencake/hold-off (holding prefetched chains vs not)", ".3f"),
+    "return-reserve/tokencake": ("E2E mean return-reserve/tokencake (room kept ahead of returns)", ".3f"),
     "continuum-queue/continuum": ("E2E mean continuum-queue/continuum (Continuum's queue order)", ".3f"),
     "tokencake/continuum-queue": ("E2E mean tokencake/continuum-queue", ".3f"),
     "tokencake/spatial-off": ("E2E mean tokencake/spatial-off (spatial scheduler on vs off)", ".3f"),

@@ -426,6 +426,9 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("infercept", "ideal"),
     ("stock-connector", "baseline"),
     ("tokencake", "hold-off"),
+    ("return-reserve", "tokencake"),
+    ("return-reserve", "ideal"),
+    ("return-reserve", "baseline"),
     ("continuum-queue", "continuum"),
     ("tokencake", "continuum-queue"),
     # The spatial scheduler's ablation (issue 12), and the policies under the same (vLLM's) scheduler.

@@ -41,6 +41,9 @@ state.
 ``remaining-depth-first`` ``tokencake`` with the DAG depth left as a credit, the order before
                     2026-12-05's third change (connector ``admission=remaining-depth-first``): of apps
                     that started together, the one with more nodes left went first
+``return-reserve``  ``tokencake`` with room kept ahead of returns forced on (connector
+                    ``return_reserve=on``; ``auto``, the default, turns it on only where copies run
+                    on CUDA side streams, so it is off on vLLM-CPU): what being ready costs here
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
 ``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
@@ -245,6 +248,11 @@ SYSTEMS: dict[str, SystemSpec] = {
         "remaining-depth-first",
         {"admission": "remaining-depth-first"},
         "tokencake with the DAG depth left as a credit (of apps that started together, the deeper first)",
+    ),
+    "return-reserve": _tokencake_with(
+        "return-reserve",
+        {"return_reserve": "on"},
+        "tokencake with room kept ahead of returns forced on (auto keeps it off on vLLM-CPU)",
     ),
     "hold-off": SystemSpec(
         "hold-off",

@@ -53,7 +53,8 @@ def register(subparsers: Any) -> None:
             "demand-off, tokencake-roomy (extension with the ideal's KV: its cost without pressure), "
             "baseline-priority, ideal-priority, and the other KV policies in the same server: "
             "offload-all, continuum, infercept, stock-connector, hold-off (tokencake without "
-            "holding prefetched chains), continuum-queue "
+            "holding prefetched chains), return-reserve (room kept ahead of returns forced on; off "
+            "on vLLM-CPU by default), continuum-queue "
             "(continuum + its queue order), replicas-affinity and replicas-round-robin (2 replicas "
             "behind vllm-router); see docs/benchmarks.md"
         ),

@@ -54,7 +54,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--policies",
         default=DEFAULT_SYSTEMS,
-        help=f"comma-separated systems (default {DEFAULT_SYSTEMS}; also hold-off, stock-connector)",
+        help=f"comma-separated systems (default {DEFAULT_SYSTEMS}; also hold-off, stock-connector, "
+        "return-reserve, return-reserve-off)",
     )
     p.add_argument(
         "--retry-max-s",

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 from tokencake.serving.policies import DEFAULT_POLICY
 
-__all__ = ["RESERVE_WAIT_FROM", "Options"]
+__all__ = ["RESERVE_WAIT_FROM", "RETURN_RESERVE", "Options"]
 
 #: Values of ``Options.critical_reserve_wait_from``.
 RESERVE_WAIT_FROM: tuple[str, ...] = ("arrival", "head")
+#: Values of ``Options.return_reserve``.
+RETURN_RESERVE: tuple[str, ...] = ("auto", "on", "off")
 
 
 @dataclass
@@ -69,6 +71,16 @@ class Options:
     #: (it takes the chain only when nothing else is left); False: host-safe critical chains keep
     #: their place at the front (a copy brings them back) and only unsaved ones are spared.
     critical_spare_late: bool = False
+    #: Room ahead of a return (docs/policy.md §4): from a stall's prefetch due time until the
+    #: late end of its likely return (``PlannedStall.late_at``), the blocks its chain misses on
+    #: device are kept from other agents' first admissions and its prefetch may take the room the
+    #: queue would want, so the chain is back before the request. At most
+    #: ``return_reserve_frac`` of the device. ``"auto"``: on where copies run beside the forward
+    #: (CUDA side streams: a prefetch is free, a demand load delays the whole step), off where
+    #: they share its cores (vLLM-CPU: a prefetch costs what the load would, so being ready buys
+    #: nothing and the kept room only delays others); ``"on"`` / ``"off"`` force it.
+    return_reserve: str = "auto"
+    return_reserve_frac: float = 0.5
     #: With the spatial scheduler on: the admission order (``tokencake.serving.spatial.ADMISSIONS``:
     #: spatial, apps-side-by-side, static-slack, remaining-depth-first, continuum); empty: the KV
     #: policy's own (``KVPolicy.admission``).
@@ -98,3 +110,10 @@ class Options:
     churn_safety: float = 2.0
     #: Seconds of step history behind the allocation-rate estimate.
     churn_window_s: float = 10.0
+
+    def reserves_returns(self, *, copies_beside_compute: bool) -> bool:
+        """Whether room is kept ahead of returns (``return_reserve``; ``"auto"`` follows where
+        the copies run)."""
+        if self.return_reserve == "auto":
+            return copies_beside_compute
+        return self.return_reserve == "on"

@@ -123,6 +123,10 @@ class PlannedStall:
     #: ``predictive`` (before the return), ``at_end`` (when the tool returns) or ``none`` (never:
     #: the next request's demand load brings the blocks back); the policy's choice.
     mode: str = "predictive"
+    #: The late end of the likely return: ``begin_at + r_(1-q) · predicted_s`` (the mirror of the
+    #: early quantile the upload aims at; ``1 / prior_ratio`` before any history). Room kept for
+    #: the return (``Options.return_reserve``) is kept from ``due_at`` until then at most.
+    late_at: float = math.inf
 
 
 class PrefetchPlanner:
@@ -207,6 +211,7 @@ class PrefetchPlanner:
         lead = _finite(h2d_s) + _finite(wait_s) + self.safety_margin_s
         with self._lock:
             ratio = self._ratio_locked(key)
+            late = self._ratio_locked(key, late=True)
         plan = PlannedStall(
             stall_id=stall_id,
             session_id=session_id,
@@ -216,6 +221,7 @@ class PrefetchPlanner:
             due_at=t + max(ratio * predicted - lead, 0.0) if mode == "predictive" else math.inf,
             key=key,
             mode=mode,
+            late_at=t + late * predicted if mode == "predictive" else math.inf,
             expires_at=t
             + stall_expiry_s(
                 predicted, factor=self.expiry_factor, min_s=self.expiry_min_s, max_s=self.expiry_max_s
@@ -471,14 +477,18 @@ class PrefetchPlanner:
     def _count(self, name: str) -> None:
         self._counts[name] = self._counts.get(name, 0) + 1
 
-    def _ratio_locked(self, key: str | None) -> float:
-        """``r_q``: the return-time ratio the upload aims at (see the module docstring)."""
+    def _ratio_locked(self, key: str | None, *, late: bool = False) -> float:
+        """``r_q``: the return-time ratio the upload aims at (see the module docstring); ``late``:
+        its mirror ``r_(1-q)``, the late end of the likely return (``1 / prior_ratio`` before
+        any history)."""
         if self.return_quantile is None:
             return 1.0
+        q = 1.0 - self.return_quantile if late else self.return_quantile
         for ratios in (self._key_ratios.get(key) if key is not None else None, self._ratios):
             if ratios is not None and len(ratios) >= self.min_samples:
-                return quantile(sorted(ratios), self.return_quantile)
-        return self.prior_ratio
+                return quantile(sorted(ratios), q)
+        prior = self.prior_ratio
+        return (1.0 / prior if prior > 0 else 1.0) if late else prior
 
     def return_ratio(self, key: str | None = None) -> float:
         """The ratio a stall of ``key`` planned now would aim at (for stats and tests)."""

@@ -290,6 +290,9 @@ class Engine:
                 continue
             if need > self.cache.num_free:
                 break
+            if self.ext is not None and self.ext.deny_for_returns(req, need):
+                skipped.append(self._dequeue())  # it would take the room kept for a return
+                continue
             if self.ext is not None and self.ext.spare_critical_chains(req, need, hit):
                 skipped.append(self._dequeue())  # it waits a step for the critical reserve
                 continue

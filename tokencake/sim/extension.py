@@ -66,6 +66,10 @@ class _Stall:
     retry_s: float = 0.0
     #: The session's last request was on its app's critical path.
     critical: bool = False
+    #: Room kept for its return (the connector's ``_Stall.reserve_*``).
+    reserve_from: float = math.inf
+    reserve_until: float = math.inf
+    reserve_blocks: int | None = None
 
     @property
     def returns_at(self) -> float:
@@ -161,6 +165,9 @@ class KVExtension:
         self._holds: dict[str, _Hold] = {}
         #: A running request found no free block this pass (``free_for_running``).
         self._short_pass = False
+        #: Sessions whose return is reserved (``return_reserve``): session -> blocks kept for it.
+        self._returning: dict[str, int] = {}
+        self._reserves_returns = self.opts.reserves_returns(copies_beside_compute=p.copies_async)
         # Insertion-ordered (dicts, not sets): the simulation must not depend on object addresses.
         self._demoted: dict[_Stall, None] = {}
         self._pending_copy_s = 0.0
@@ -543,6 +550,75 @@ class KVExtension:
             self.opts.prefetch_reserve_blocks, int(self.opts.prefetch_reserve_frac * self.cache.num_blocks)
         )
 
+    def _reserve_returns(self, now: float) -> dict[str, int]:
+        """The connector's ``_reserve_returns``: the stalls whose tool still runs and whose
+        upload is due, until the late end of their likely return, soonest due first while they
+        fit in ``return_reserve_frac`` of the device; each keeps the blocks of its returnable
+        chain that no one but its own hold references (counted when the window opens, its hold
+        subtracted as it grows)."""
+        if not self._reserves_returns or not self._stalls:
+            return {}
+        due = []
+        for stall in self._stalls.values():
+            if (
+                not (stall.accounted or stall.resumed)
+                and stall.offloaded
+                and stall.reserve_from <= now <= stall.reserve_until
+            ):
+                due.append(stall)
+            else:
+                stall.reserve_blocks = None
+        cap = int(self.opts.return_reserve_frac * self.cache.num_blocks)
+        out: dict[str, int] = {}
+        total = 0
+        for stall in sorted(due, key=lambda st: st.reserve_from):
+            sid = stall.session.session_id
+            held = self._holds.get(sid)
+            if stall.reserve_blocks is None:
+                if self._offload_pending(stall):
+                    continue  # its chain is not on host yet (and no upload starts before it is)
+                stall.reserve_blocks = self._room_to_return(stall, held)
+            kept = stall.reserve_blocks - (len(held.blocks) if held is not None else 0)
+            if kept > 0 and total + kept <= cap:
+                out[sid] = kept
+                total += kept
+        return out
+
+    def _room_to_return(self, stall: _Stall, held: _Hold | None) -> int:
+        """The connector's ``_room_to_return``."""
+        own = set(held.blocks) if held is not None else set()
+        by_key, ref, n = self.cache.by_key, self.cache.ref, 0
+        for k in stall.keys:
+            b = by_key.get(k)
+            if b is None:
+                if self.host.lookup(k) is None:  # type: ignore[arg-type]
+                    break
+                n += 1
+            elif ref[b] - (b in own) == 0:
+                n += 1
+        return n
+
+    def _kept_against(self, req: Request) -> frozenset[str]:
+        """Returns kept against this admission: an agent request's first one, never its own."""
+        if not self._returning or not req.run_id or req.admitted_at is not None:
+            return frozenset()
+        own = req.session.session_id
+        return frozenset(sid for sid in self._returning if sid != own)
+
+    def deny_for_returns(self, req: Request, need: int) -> bool:
+        """The connector's ``_denied_for_returns``: an agent request's first admission that would
+        leave fewer free blocks than the returns kept for other sessions waits a step, while
+        requests run; plain requests and re-admissions never do."""
+        against = self._kept_against(req)
+        assert self.engine is not None
+        if not against or not self.engine.running:
+            return False
+        kept = sum(self._returning[sid] for sid in against)
+        if self.cache.num_free - need < kept:
+            self.stats["return_reserve.denials"] += 1
+            return True
+        return False
+
     def make_room(self, req: Request, need: int) -> bool:
         """The connector's ``_make_room`` for holds: release the ones the request needs the blocks
         of. True: it would fit only if the critical reserve were lent, so it waits a step and the
@@ -550,13 +626,14 @@ class KVExtension:
         if not self._holds:
             return False
         own = req.session.session_id
-        protect = self._protected(req)
+        returning = self._kept_against(req)
+        protect = self._protected(req) | returning
         releasable = self._held_blocks(lambda sid: sid != own and sid not in protect)
         if self.cache.num_free + releasable >= need:
             self._release_holds_until(lambda: self.cache.num_free >= need, "room", spare=own, protect=protect)
             return False
         if protect and self.cache.num_free + releasable + self._held_blocks(protect.__contains__) >= need:
-            self.stats["spatial.reserve_denials"] += 1
+            self.stats["spatial.reserve_denials" if protect - returning else "return_reserve.denials"] += 1
             return True
         return False
 
@@ -1014,7 +1091,7 @@ class KVExtension:
                 self.host.pin(slot, stall.stall_id)
         stall.offloaded = True
         assert self.engine is not None
-        self.planner.begin(
+        planned = self.planner.begin(
             stall.stall_id,
             sid,
             stall.predicted_s,
@@ -1024,6 +1101,7 @@ class KVExtension:
             now=stall.begin_at,
             mode=plan.prefetch,
         )
+        stall.reserve_from, stall.reserve_until = planned.due_at, planned.late_at
         if not self._offload_pending(stall):
             self._demote(stall)
 
@@ -1078,6 +1156,7 @@ class KVExtension:
                 if waiting:
                     stall.retry_s = 0.0
                 self._evaluate(stall)
+        self._returning = self._reserve_returns(now)
         if self.opts.prefetch:
             # Prefetched chains can only have been lost if something was evicted since last time.
             evicted, self._seen_evictions = self.cache.evictions != self._seen_evictions, self.cache.evictions
@@ -1145,7 +1224,10 @@ class KVExtension:
             self.planner.mark_done(stall.stall_id, now=self.now)
             self.stats["prefetch.not_needed"] += 1
             return
-        bound = self.cache.num_free - self._keep_free()
+        if stall.session.session_id in self._returning and not self._short_pass:
+            bound = self.cache.num_free - max(self._reserve(), len(self.engine.running))
+        else:
+            bound = self.cache.num_free - self._keep_free()
         if bound <= 0:
             stall.deferred += not topup
             return

@@ -88,6 +88,13 @@ SYSTEMS: dict[str, SystemSpec] = {
     "infercept": SystemSpec("infercept", "infercept"),
     "stock-connector": SystemSpec("stock-connector", "stock"),
     "hold-off": SystemSpec("hold-off", "tokencake", options={"hold_prefetched": False}),
+    # Room kept ahead of returns forced on / off (``Options.return_reserve``; "auto" by default).
+    "return-reserve-off": SystemSpec(
+        "return-reserve-off", "tokencake", options={"return_reserve": "off"}, scheduling="spatial"
+    ),
+    "return-reserve": SystemSpec(
+        "return-reserve", "tokencake", options={"return_reserve": "on"}, scheduling="spatial"
+    ),
 }
 
 

@@ -2686,3 +2686,98 @@ def test_a_prefetch_that_lands_while_the_request_queues_was_not_ready_for_it(
     whys = {k: v for k, v in side.stats.snapshot()["counters"].items() if "missed_why" in k}
     assert whys == {"readiness.missed_why.early_return": 1}, whys
     assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 0
+
+
+# ---- room kept ahead of returns (``return_reserve``)
+
+
+def _returning_case(pool: BlockPool, clock: Clock, mode: str = "on") -> tuple[SchedulerSide, list[bytes]]:
+    """Session A's 3-block chain is on host only while its 4 s tool runs (due at 2 s, late end
+    at 8 s by the prior), one request runs, and the clock is at A's due time."""
+    side = make_side(pool, clock, return_reserve=mode)
+    hashes = chain("ret", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin(predicted=4.0))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    side.observe_step(BS, num_running=1)
+    plan = side.planner.get("s1")
+    assert plan is not None and plan.late_at == pytest.approx(plan.begin_at + 8.0)
+    clock.t = plan.due_at + 0.01
+    return side, hashes
+
+
+def test_return_reserve_is_auto_by_where_copies_run() -> None:
+    """``auto`` keeps room ahead of returns where copies run on CUDA side streams only."""
+
+    def side(cuda: bool, mode: str) -> SchedulerSide:
+        opts = Options(return_reserve=mode)
+        return SchedulerSide(
+            block_size=BS, block_bytes=1000, num_host_blocks=4, options=opts, device_is_cuda=cuda
+        )
+
+    assert side(True, "auto").reserves_returns and not side(False, "auto").reserves_returns
+    assert side(False, "on").reserves_returns and not side(True, "off").reserves_returns
+
+
+def test_a_due_return_is_prefetched_ahead_of_the_queue_and_its_room_kept(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Kept room: the due chain is uploaded whole although a queued agent request wants the room,
+    the request waits (its first admission) while the chain is held, and goes once the likely
+    return is past (``late_at``)."""
+    side, _hashes = _returning_case(pool, clock)
+    queued = request("q", chain("w", 1), 14 * BS, session="run:W")
+    side.on_new_request(queued)
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch" and len(job.device_blocks) == 3  # the whole chain, not its head
+    answer(side, TokenCakeMetadata([job]))
+    assert "run:A" in side._kept and "run:A" in side._returning
+    assert side.get_num_new_matched_tokens(queued, 0) is None  # A's hold is not given to it
+    assert side.stats.counter("return_reserve.denials") == 1 and "run:A" in side._kept
+    plan = side.planner.get("s1")
+    assert plan is not None
+    clock.t = plan.late_at + 0.01  # the tool ran past its likely return: the room is lent
+    side.build_meta()
+    assert side._returning == {}
+    assert side.get_num_new_matched_tokens(queued, 0) == 0 and "run:A" not in side._kept
+
+
+def test_without_kept_room_the_queue_gets_the_blocks_first(pool: BlockPool, clock: Clock) -> None:
+    """The same case with ``return_reserve=off``: the budget leaves the queue its demand (the
+    chain's head only) and the queued request takes the held head."""
+    side, _hashes = _returning_case(pool, clock, mode="off")
+    queued = request("q", chain("w", 1), 14 * BS, session="run:W")
+    side.on_new_request(queued)
+    (job,) = side.build_meta().jobs
+    assert len(job.device_blocks) == 1 and side.stats.counter("prefetch.partial") == 1
+    answer(side, TokenCakeMetadata([job]))
+    assert side.get_num_new_matched_tokens(queued, 0) == 0  # it fits beside the head
+    assert side.stats.counter("return_reserve.denials") == 0
+
+
+def test_kept_room_holds_back_only_an_agent_requests_first_admission(pool: BlockPool, clock: Clock) -> None:
+    """Before the chain is back (the running requests hold the device, so even the kept room's
+    upload is deferred): an agent request that would leave fewer free blocks than the chain
+    misses waits; one that leaves enough goes; a plain request, the session's own request and a
+    request with nothing running never wait."""
+    side, hashes = _returning_case(pool, clock)
+    running = bp.allocate(pool, 14)  # one block free, one request running: no budget
+    assert side.build_meta().jobs == [] and side._returning == {"run:A": 3}
+    bp.release(pool, running[:10])  # running requests finished: 11 free
+    big = request("big", chain("w", 1), 9 * BS, session="run:W")  # would leave 2 < 3
+    side.on_new_request(big)
+    assert side.get_num_new_matched_tokens(big, 0) is None
+    small = request("small", chain("s", 1), 8 * BS, session="run:S")  # leaves 3
+    side.on_new_request(small)
+    assert side.get_num_new_matched_tokens(small, 0) == 0
+    plain = request("plain", chain("p", 1), 9 * BS, session=None)
+    side.on_new_request(plain)
+    assert side.get_num_new_matched_tokens(plain, 0) == 0
+    own = request("own", [*hashes, *chain("own", 1)], 9 * BS + 2, session="run:A")
+    side.on_new_request(own)
+    assert side.get_num_new_matched_tokens(own, 0) == 3 * BS  # its own chain: loaded, not held back
+    assert side.stats.counter("return_reserve.denials") == 1
+    side.observe_step(0, num_running=0)  # nothing runs: waiting would idle the engine
+    assert side.get_num_new_matched_tokens(big, 0) == 0
+    bp.release(pool, running[10:])

@@ -47,7 +47,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tokencake.serving.event_api import EVENTS_API_KEY_ENV, EventServer
 from tokencake.serving.host_pool import blocks_for_gib
 from tokencake.serving.model import tokencake_home
-from tokencake.serving.options import RESERVE_WAIT_FROM
+from tokencake.serving.options import RESERVE_WAIT_FROM, RETURN_RESERVE
 from tokencake.serving.policies import POLICY_NAMES
 from tokencake.serving.profile import PrefillProfile, profile_path
 from tokencake.serving.spatial import ADMISSIONS
@@ -180,6 +180,7 @@ def _options(extra: dict[str, Any]) -> Options:
         ("policy", POLICY_NAMES),
         ("critical_reserve_wait_from", RESERVE_WAIT_FROM),
         ("admission", tuple(ADMISSIONS)),
+        ("return_reserve", RETURN_RESERVE),
     ):
         setattr(opts, name, _extra_choice(extra, name, choices, getattr(opts, name)))
     numeric: dict[str, type] = {
@@ -191,6 +192,7 @@ def _options(extra: dict[str, Any]) -> Options:
         "prefetch_reserve_frac": float,
         "critical_reserve_frac": float,
         "critical_reserve_wait_s": float,
+        "return_reserve_frac": float,
         "job_timeout_s": float,
         "reevaluate_max_s": float,
         "min_waiting": int,

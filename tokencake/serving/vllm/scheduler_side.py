@@ -168,6 +168,13 @@ class _Stall:
     #: What the session's announcing request decided when it finished (``early_save.decision``;
     #: None: no at-finish decision): the cause behind a chain cut before the stall's first decision.
     finish_decision: str | None = None
+    #: Room kept for its return (``return_reserve``): from its upload's due time to the late end
+    #: of its likely return (the plan's ``due_at`` / ``late_at``; inf: never)...
+    reserve_from: float = math.inf
+    reserve_until: float = math.inf
+    #: ...and the blocks of its chain that need room, counted once when that window opens (the
+    #: run that could come back, less the blocks others reference); its own hold is subtracted.
+    reserve_blocks: int | None = None
 
     @property
     def returns_at(self) -> float:
@@ -432,6 +439,10 @@ class SchedulerSide:
         self._usa_first = 0
         #: Session id -> device blocks a policy keeps for it (``keep``).
         self._kept: dict[str, _Keep] = {}
+        #: Room kept ahead of returns (``Options.return_reserve``; "auto": on where copies run on
+        #: CUDA side streams beside the forward) and, per step, session -> blocks kept for it.
+        self.reserves_returns = self.opts.reserves_returns(copies_beside_compute=device_is_cuda)
+        self._returning: dict[str, int] = {}
         #: Sessions whose at-finish save committed before their stall began: their host copies are
         #: pinned (owner ``finish:<session>``) until the stall pins them, or this deadline.
         self._finish_pins: dict[str, float] = {}
@@ -1083,6 +1094,77 @@ class SchedulerSide:
         queued = sum(n for r, n in self._waiting.items() if r != exclude)
         return max(self._reserve_blocks(), self._running, queued)
 
+    def _reserve_returns(self, now: float) -> dict[str, int]:
+        """Returns whose room is kept this step (``return_reserve``): the stalls whose tool still
+        runs and whose upload is due, until the late end of their likely return
+        (``PlannedStall.late_at``), soonest due first while they fit in ``return_reserve_frac``
+        of the device. Each keeps the blocks of its chain that could come back (the run with a
+        device or host copy from block 0) that no one but its own hold references: missing
+        ones and idle cached ones, which an admission's allocation would take. The chain is
+        walked once, when the window opens (cheap per step at any scale); its hold, as it grows
+        with the upload, is subtracted."""
+        pool = self.pool
+        if not self.reserves_returns or pool is None or not self._stalls:
+            return {}
+        due: list[_Stall] = []
+        for stall in self._stalls.values():
+            if (
+                stall.ended_at is None
+                and not (stall.accounted or stall.resumed)
+                and stall.offloaded
+                and stall.reserve_from <= now <= stall.reserve_until
+            ):
+                due.append(stall)
+            else:
+                stall.reserve_blocks = None
+        cap = int(self.opts.return_reserve_frac * pool.num_gpu_blocks)
+        out: dict[str, int] = {}
+        total = 0
+        for stall in sorted(due, key=lambda st: st.reserve_from):
+            held = self._kept.get(stall.session_id)
+            if stall.reserve_blocks is None:
+                if self._offload_pending(stall):
+                    continue  # its chain is not on host yet (and no upload starts before it is)
+                stall.reserve_blocks = self._room_to_return(stall, held)
+            kept = stall.reserve_blocks - (len(held.blocks) if held is not None else 0)
+            if kept > 0 and total + kept <= cap:
+                out[stall.session_id] = kept
+                total += kept
+        self.stats.set("return_reserve.blocks", total)
+        return out
+
+    def _room_to_return(self, stall: _Stall, held: _Keep | None) -> int:
+        """Blocks of the chain's returnable run (device or host copy, unbroken from block 0)
+        that no one but the session's own hold references."""
+        assert self.pool is not None
+        own = {b.block_id for b in held.blocks} if held is not None else set()
+        n = 0
+        for h in stall.hashes:
+            block = bp.cached_block(self.pool, h)
+            if block is None:
+                if self.host.lookup(h) is None:
+                    break  # a hit needs an unbroken chain from block 0
+                n += 1
+            elif block.ref_cnt - (block.block_id in own) == 0:
+                n += 1
+        return n
+
+    def _denied_for_returns(self, request: Request, own: str, need: int) -> bool:
+        """An agent request's first admission that would leave fewer free blocks than the
+        returns kept for other sessions waits a step (``return_reserve.denials``) while requests
+        run (their finishing frees blocks; an engine that would idle never waits). Plain
+        requests and re-admissions are never held back; a session's own return is not kept
+        against it."""
+        if not self._returning or self.pool is None or not own or self._running == 0:
+            return False
+        if request.request_id not in self._arrival:
+            return False  # a re-admission (preempted): it never waits for kept room
+        kept = sum(n for sid, n in self._returning.items() if sid != own)
+        if kept and bp.num_free(self.pool) - need < kept:
+            self.stats.inc("return_reserve.denials")
+            return True
+        return False
+
     def _make_room(self, request: Request, num_computed_tokens: int) -> bool:
         """A waiting request is about to be allocated: release holds it needs the blocks of (and,
         spatial scheduler on, keep idle critical chains out of its eviction window).
@@ -1094,7 +1176,9 @@ class SchedulerSide:
         (``_spare_critical_chains``) or held ones (``_protected``) — and vLLM looks at the next one.
         """
         pool = self.pool
-        if pool is None or not (self._kept or (self.critical_last and len(self._critical_idle))):
+        if pool is None or not (
+            self._kept or self._returning or (self.critical_last and len(self._critical_idle))
+        ):
             return False
         info = self._reqs.get(request.request_id)
         own = info.session_id if info is not None else ""
@@ -1113,8 +1197,12 @@ class SchedulerSide:
             need += int(self.watermark * pool.num_gpu_blocks)
         waited = self._reserve_waited(request.request_id)
         own_hits = frozenset(bytes(h) for h in computed)
+        # The holds of returns kept against this admission stay too (``_denied_for_returns``).
+        returning = frozenset(
+            sid for sid in self._returning if sid != own and info is not None and math.isfinite(waited)
+        )
         if self._kept and bp.num_free(pool) < need:
-            protect = self._protected(info, waited)
+            protect = self._protected(info, waited) | returning
             releasable = self._releasable(
                 k for k in self._kept.values() if k.session_id != own and k.session_id not in protect
             )
@@ -1126,8 +1214,10 @@ class SchedulerSide:
                 # It would fit if the reserve were lent: it waits a step (bounded by
                 # critical_reserve_wait_s) and vLLM looks at the next request, instead of failing
                 # its allocation, which stops vLLM's admission loop for everyone behind it.
-                self.stats.inc("spatial.reserve_denials")
+                self.stats.inc("spatial.reserve_denials" if protect - returning else "return_reserve.denials")
                 return True
+        if returning and self._denied_for_returns(request, own, need):
+            return True
         # After any release: released blocks join the back of the free queue, and the critical
         # chains this spares must stay behind them. (It can only ask the request to wait when
         # the request fits without releasing anything, so nothing is released for a waiter.)
@@ -1716,6 +1806,7 @@ class SchedulerSide:
             self.stats.inc("spatial.reserved_block_steps", reserved)  # Prometheus: ratio over time
             self.stats.inc("spatial.steps")
         self.profile.maybe_save(self._bandwidths())
+        self._returning = self._reserve_returns(now)
         for stall in list(self._stalls.values()):
             try:
                 self._tick_stall(stall, now)
@@ -1929,7 +2020,7 @@ class SchedulerSide:
                 self.host.pin(slot, stall_owner(stall.stall_id))
         stall.offloaded = True
         h2d = self.transfer.estimate("h2d", len(chain) * self.block_bytes)
-        self.planner.begin(
+        planned = self.planner.begin(
             stall.stall_id,
             stall.session_id,
             stall.predicted_s,
@@ -1939,6 +2030,7 @@ class SchedulerSide:
             now=stall.begin_at,
             mode=plan.prefetch,
         )
+        stall.reserve_from, stall.reserve_until = planned.due_at, planned.late_at
         if not first:
             self.stats.inc("stalls.offload_after_retry")
         if not self._offload_pending(stall):
@@ -2261,8 +2353,14 @@ class SchedulerSide:
             self.planner.mark_done(stall.stall_id, now=now)
             self.stats.inc("prefetch.not_needed")
             return
-        # Our own idle cached blocks are counted free by vLLM, but allocating them would break the chain.
-        budget = bp.num_free(pool) - own_idle - self._keep_free()
+        # Our own idle cached blocks are counted free by vLLM, but allocating them would break the
+        # chain. A return kept for (``_reserve_returns``) goes ahead of the queue's demand: the
+        # admissions that would take its room wait for it.
+        if stall.session_id in self._returning and not self._short_pass:
+            keep = max(self._reserve_blocks(), self._running)
+        else:
+            keep = self._keep_free()
+        budget = bp.num_free(pool) - own_idle - keep
         if budget <= 0:
             if topup:
                 return  # tried again next step
