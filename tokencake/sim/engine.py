@@ -290,7 +290,11 @@ class Engine:
                 continue
             if need > self.cache.num_free:
                 break
-            if self.ext is not None and self.ext.deny_for_returns(req, need):
+            # Kept room is held against the whole prompt (as the connector's ``_make_room`` counts
+            # it), not this step's chunk: a chunked prefill takes the rest as a running request.
+            if self.ext is not None and self.ext.deny_for_returns(
+                req, cdiv(total, self.block_size) - len(hit) + (need - want)
+            ):
                 skipped.append(self._dequeue())  # it would take the room kept for a return
                 continue
             if self.ext is not None and self.ext.spare_critical_chains(req, need, hit):

@@ -606,9 +606,10 @@ class KVExtension:
         return frozenset(sid for sid in self._returning if sid != own)
 
     def deny_for_returns(self, req: Request, need: int) -> bool:
-        """The connector's ``_denied_for_returns``: an agent request's first admission that would
-        leave fewer free blocks than the returns kept for other sessions waits a step, while
-        requests run; plain requests and re-admissions never do."""
+        """The connector's ``_denied_for_returns``: an agent request's first admission whose
+        prompt (``need`` blocks, the whole prompt's) would leave fewer free blocks than the
+        returns kept for other sessions waits a step, while requests run; plain requests and
+        re-admissions never do."""
         against = self._kept_against(req)
         assert self.engine is not None
         if not against or not self.engine.running:
