@@ -285,18 +285,16 @@ class Engine:
             n = min(total - computed, budget)
             want = cdiv(computed + n, self.block_size) - len(hit)
             need = want + sum(1 for b in hit if self.cache.ref[b] == 0)
-            if self.ext is not None and need > self.cache.num_free and self.ext.make_room(req, need):
-                skipped.append(self._dequeue())  # it would fit only with the critical reserve lent
+            # Room kept ahead of returns is held against the whole prompt (as the connector's
+            # ``_make_room`` counts it), not this step's chunk: a chunked prefill takes the rest as a
+            # running request.
+            whole = cdiv(total, self.block_size) - len(hit) + (need - want)
+            if self.ext is not None and self.ext.make_room(req, need, whole):
+                # It would fit only with the critical reserve lent, or in room kept for a return.
+                skipped.append(self._dequeue())
                 continue
             if need > self.cache.num_free:
                 break
-            # Kept room is held against the whole prompt (as the connector's ``_make_room`` counts
-            # it), not this step's chunk: a chunked prefill takes the rest as a running request.
-            if self.ext is not None and self.ext.deny_for_returns(
-                req, cdiv(total, self.block_size) - len(hit) + (need - want)
-            ):
-                skipped.append(self._dequeue())  # it would take the room kept for a return
-                continue
             if self.ext is not None and self.ext.spare_critical_chains(req, need, hit):
                 skipped.append(self._dequeue())  # it waits a step for the critical reserve
                 continue

@@ -599,42 +599,46 @@ class KVExtension:
         return n
 
     def _kept_against(self, req: Request) -> frozenset[str]:
-        """Returns kept against this admission: an agent request's first one, never its own."""
-        if not self._returning or not req.run_id or req.admitted_at is not None:
+        """The connector's ``_returning_against``: returns whose kept room an agent request's
+        first admission must leave free while requests run, never its own session's."""
+        assert self.engine is not None
+        if not self._returning or not req.run_id or req.admitted_at is not None or not self.engine.running:
             return frozenset()
         own = req.session.session_id
         return frozenset(sid for sid in self._returning if sid != own)
 
-    def deny_for_returns(self, req: Request, need: int) -> bool:
-        """The connector's ``_denied_for_returns``: an agent request's first admission whose
-        prompt (``need`` blocks, the whole prompt's) would leave fewer free blocks than the
-        returns kept for other sessions waits a step, while requests run; plain requests and
-        re-admissions never do."""
-        against = self._kept_against(req)
-        assert self.engine is not None
-        if not against or not self.engine.running:
+    def make_room(self, req: Request, need: int, whole: int | None = None) -> bool:
+        """The connector's ``_make_room`` for holds and kept room: release the holds the request
+        needs the blocks of (with room kept ahead of returns: the blocks of its ``whole`` prompt
+        plus the kept room). True: it would fit only if the critical reserve were lent, or only
+        in the kept room, so it waits a step and the engine looks at the next request (the
+        connector's ``spatial.reserve_denials`` / ``return_reserve.denials``)."""
+        if not self._holds and not self._returning:
             return False
-        kept = sum(self._returning[sid] for sid in against)
-        if self.cache.num_free - need < kept:
-            self.stats["return_reserve.denials"] += 1
-            return True
-        return False
-
-    def make_room(self, req: Request, need: int) -> bool:
-        """The connector's ``_make_room`` for holds: release the ones the request needs the blocks
-        of. True: it would fit only if the critical reserve were lent, so it waits a step and the
-        engine looks at the next request (the connector's ``spatial.reserve_denials``)."""
-        if not self._holds:
-            return False
-        own = req.session.session_id
         returning = self._kept_against(req)
-        protect = self._protected(req) | returning
-        releasable = self._held_blocks(lambda sid: sid != own and sid not in protect)
-        if self.cache.num_free + releasable >= need:
-            self._release_holds_until(lambda: self.cache.num_free >= need, "room", spare=own, protect=protect)
+        kept = sum(self._returning[sid] for sid in returning)
+        target = max(need, (need if whole is None else whole) + kept) if kept else need
+        free = self.cache.num_free
+        if self._holds and free < target:
+            own = req.session.session_id
+            protect = self._protected(req) | returning
+            releasable = self._held_blocks(lambda sid: sid != own and sid not in protect)
+            if free + releasable >= target:
+                self._release_holds_until(
+                    lambda: self.cache.num_free >= target, "room", spare=own, protect=protect
+                )
+                return False
+            if kept and free + releasable >= need:
+                self.stats["return_reserve.denials"] += 1  # it fits only in the kept room
+                return True
+            if protect and free + releasable + self._held_blocks(protect.__contains__) >= need:
+                self.stats[
+                    "spatial.reserve_denials" if protect - returning else "return_reserve.denials"
+                ] += 1
+                return True
             return False
-        if protect and self.cache.num_free + releasable + self._held_blocks(protect.__contains__) >= need:
-            self.stats["spatial.reserve_denials" if protect - returning else "return_reserve.denials"] += 1
+        if kept and free < target:
+            self.stats["return_reserve.denials"] += 1
             return True
         return False
 

@@ -2781,3 +2781,30 @@ def test_kept_room_holds_back_only_an_agent_requests_first_admission(pool: Block
     side.observe_step(0, num_running=0)  # nothing runs: waiting would idle the engine
     assert side.get_num_new_matched_tokens(big, 0) == 0
     bp.release(pool, running[10:])
+
+
+def test_other_sessions_holds_yield_so_an_admission_leaves_the_kept_room(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """A held chain whose own window has closed is released for an admission that would
+    otherwise take the room kept for a due return: the admission goes, the kept room stays."""
+    side = make_side(pool, clock, return_reserve="on")
+    _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)  # B's likely return is past
+    hashes = chain("ret", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin(predicted=4.0))
+    answer(side, side.build_meta())
+    evict_all(pool)
+    side.observe_step(BS, num_running=1)
+    plan = side.planner.get("s1")
+    assert plan is not None
+    clock.t = plan.due_at + 0.01
+    running = bp.allocate(pool, bp.num_free(pool) - 1)  # no budget for A's upload
+    assert side.build_meta().jobs == [] and side._returning == {"run:A": 3}
+    bp.release(pool, running[:10])  # 11 free, B holds 2
+    w = request("w", chain("w", 1), 10 * BS, session="run:W")  # 10 blocks + A's 3 > 11 free
+    side.on_new_request(w)
+    assert side.get_num_new_matched_tokens(w, 0) == 0
+    assert "run:B" not in side._kept and bp.num_free(pool) == 13
+    assert side.stats.counter("return_reserve.denials") == 0
+    bp.release(pool, running[10:])

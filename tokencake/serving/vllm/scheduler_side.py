@@ -1149,21 +1149,15 @@ class SchedulerSide:
                 n += 1
         return n
 
-    def _denied_for_returns(self, request: Request, own: str, need: int) -> bool:
-        """An agent request's first admission that would leave fewer free blocks than the
-        returns kept for other sessions waits a step (``return_reserve.denials``) while requests
-        run (their finishing frees blocks; an engine that would idle never waits). Plain
-        requests and re-admissions are never held back; a session's own return is not kept
-        against it."""
-        if not self._returning or self.pool is None or not own or self._running == 0:
-            return False
-        if request.request_id not in self._arrival:
-            return False  # a re-admission (preempted): it never waits for kept room
-        kept = sum(n for sid, n in self._returning.items() if sid != own)
-        if kept and bp.num_free(self.pool) - need < kept:
-            self.stats.inc("return_reserve.denials")
-            return True
-        return False
+    def _returning_against(self, info: _ReqInfo | None, own: str, waited: float) -> frozenset[str]:
+        """Sessions whose kept room (``_reserve_returns``) this admission must leave free: an
+        agent request's first admission (``waited`` finite), while requests run (their finishing
+        frees blocks; an engine that would idle never waits), never its own session's. Plain
+        requests (first come, first served) and re-admissions of preempted ones are never held
+        back."""
+        if not self._returning or info is None or not math.isfinite(waited) or self._running == 0:
+            return frozenset()
+        return frozenset(sid for sid in self._returning if sid != own)
 
     def _make_room(self, request: Request, num_computed_tokens: int) -> bool:
         """A waiting request is about to be allocated: release holds it needs the blocks of (and,
@@ -1197,26 +1191,31 @@ class SchedulerSide:
             need += int(self.watermark * pool.num_gpu_blocks)
         waited = self._reserve_waited(request.request_id)
         own_hits = frozenset(bytes(h) for h in computed)
-        # The holds of returns kept against this admission stay too (``_denied_for_returns``).
-        returning = frozenset(
-            sid for sid in self._returning if sid != own and info is not None and math.isfinite(waited)
-        )
-        if self._kept and bp.num_free(pool) < need:
+        # Room kept ahead of returns (``_reserve_returns``): the admission must leave it free, and
+        # the holds of those returns stay; holds of other sessions still yield to it.
+        returning = self._returning_against(info, own, waited)
+        kept = sum(self._returning[sid] for sid in returning)
+        if self._kept and bp.num_free(pool) < need + kept:
             protect = self._protected(info, waited) | returning
             releasable = self._releasable(
                 k for k in self._kept.values() if k.session_id != own and k.session_id not in protect
             )
-            if bp.num_free(pool) + releasable >= need:
+            if bp.num_free(pool) + releasable >= need + kept:
                 self._release_kept_until(
-                    lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect
+                    lambda: bp.num_free(pool) >= need + kept, "room", spare=own, protect=protect
                 )
+            elif kept and bp.num_free(pool) + releasable >= need:
+                self.stats.inc("return_reserve.denials")  # it fits only in the kept room
+                return True
             elif protect and bp.num_free(pool) + releasable + self._protected_blocks(protect) >= need:
                 # It would fit if the reserve were lent: it waits a step (bounded by
-                # critical_reserve_wait_s) and vLLM looks at the next request, instead of failing
-                # its allocation, which stops vLLM's admission loop for everyone behind it.
+                # critical_reserve_wait_s, or the return's window) and vLLM looks at the next
+                # request, instead of failing its allocation, which stops vLLM's admission loop for
+                # everyone behind it.
                 self.stats.inc("spatial.reserve_denials" if protect - returning else "return_reserve.denials")
                 return True
-        if returning and self._denied_for_returns(request, own, need):
+        if kept and bp.num_free(pool) < need + kept:
+            self.stats.inc("return_reserve.denials")
             return True
         # After any release: released blocks join the back of the free queue, and the critical
         # chains this spares must stay behind them. (It can only ask the request to wait when
