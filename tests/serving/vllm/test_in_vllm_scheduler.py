@@ -85,12 +85,17 @@ def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
     sched.connector.shutdown()
 
 
-def _request(req_id: str, tokens: int, token: int) -> Request:
+def _request(req_id: str, tokens: int, token: int, session: str | None = None) -> Request:
+    """A plain request, or an agent request of ``session`` (TokenCake metadata)."""
     init_none_hash(sha256)
+    extra = None
+    if session is not None:
+        meta = {"session_id": session, "run_id": "run", "node": session}
+        extra = {"kv_transfer_params": {"tokencake": meta}}
     return Request(
         req_id,
         [token] * tokens,
-        SamplingParams(max_tokens=8, ignore_eos=True),
+        SamplingParams(max_tokens=8, ignore_eos=True, extra_args=extra),
         None,
         arrival_time=time.time(),
         block_hasher=get_request_block_hasher(BS, sha256),
@@ -150,3 +155,28 @@ def test_without_a_hold_vllm_preempts_as_stock(scheduler: Scheduler) -> None:
     assert out.preempted_req_ids == {"r1"} and r1.num_preemptions == 1
     assert conn.sched.stats.counter("hold.yielded_to_running") == 0
     bp.release(pool, others)
+
+
+def test_an_admission_that_would_take_kept_room_waits_and_vllm_admits_the_next(
+    scheduler: Scheduler,
+) -> None:
+    """Room kept for a due return (here 4 blocks): an agent request whose prompt would leave less
+    free waits a step (``get_num_new_matched_tokens`` → None) and vLLM goes on to the next waiting
+    request, which fits beside the kept room; a plain request is never held back."""
+    conn: Any = scheduler.connector
+    side = conn.sched
+    side.reserves_returns = True
+    side._reserve_returns = lambda now: {"run:A": 4}  # a return due, its chain on host
+    pool = side.pool
+    scheduler.add_request(_request("r1", 2 * BS, 3))
+    _step(scheduler)  # r1 runs: 2 blocks, a third for its next token
+    scheduler.add_request(_request("big", 6 * BS, 5, session="run:W"))  # would leave 2 free
+    scheduler.add_request(_request("small", 4 * BS, 6, session="run:S"))  # leaves 4
+    out = _step(scheduler)
+    assert set(out.num_scheduled_tokens) == {"r1", "small"}
+    assert side.stats.counter("return_reserve.denials") == 1 and bp.num_free(pool) == 4
+    assert [r.request_id for r in scheduler.waiting] == ["big"]
+    plain = _request("plain", 3 * BS, 9)  # 3 blocks of the 4 kept: a plain request takes them
+    scheduler.add_request(plain)
+    out = _step(scheduler)
+    assert "plain" in out.num_scheduled_tokens and "big" not in out.num_scheduled_tokens
