@@ -380,13 +380,13 @@ def test_a_due_return_is_uploaded_ahead_of_the_queue_and_its_room_kept() -> None
     free = engine.cache.num_free
     agent = Request(2, Session("w", "agent", 4), prompt_tokens=8, output_tokens=1, arrival=0.0, run_id="app")
     plain = Request(3, Session("p", "agent", 4), prompt_tokens=8, output_tokens=1, arrival=0.0)
-    assert ext.make_room(agent, 1, free - 2) is False  # the chain is back: nothing missing
+    assert ext.make_room(agent, free - 2) is False  # the chain is back: nothing missing
     ext._returning = {"a": 3}  # as before the upload: 3 blocks kept
-    assert ext.make_room(agent, 1, free - 2) is True  # its whole prompt would take kept room
-    assert ext.make_room(agent, 1, free - 3) is False
-    assert ext.make_room(plain, 1, free - 2) is False
+    assert ext.make_room(agent, free - 2) is True  # it would take kept room
+    assert ext.make_room(agent, free - 3) is False
+    assert ext.make_room(plain, free - 2) is False
     own = Request(4, a, prompt_tokens=17, output_tokens=1, arrival=0.0, run_id="app")
-    assert ext.make_room(own, 1, free) is False
+    assert ext.make_room(own, free) is False
     assert counters(engine)["return_reserve.denials"] == 1
     engine.running.clear()
-    assert ext.make_room(agent, 1, free - 2) is False  # nothing runs: never idle the engine
+    assert ext.make_room(agent, free - 2) is False  # nothing runs: never idle the engine

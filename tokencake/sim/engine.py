@@ -285,11 +285,7 @@ class Engine:
             n = min(total - computed, budget)
             want = cdiv(computed + n, self.block_size) - len(hit)
             need = want + sum(1 for b in hit if self.cache.ref[b] == 0)
-            # Room kept ahead of returns is held against the whole prompt (as the connector's
-            # ``_make_room`` counts it), not this step's chunk: a chunked prefill takes the rest as a
-            # running request.
-            whole = cdiv(total, self.block_size) - len(hit) + (need - want)
-            if self.ext is not None and self.ext.make_room(req, need, whole):
+            if self.ext is not None and self.ext.make_room(req, need):
                 # It would fit only with the critical reserve lent, or in room kept for a return.
                 skipped.append(self._dequeue())
                 continue

@@ -607,38 +607,31 @@ class KVExtension:
         own = req.session.session_id
         return frozenset(sid for sid in self._returning if sid != own)
 
-    def make_room(self, req: Request, need: int, whole: int | None = None) -> bool:
-        """The connector's ``_make_room`` for holds and kept room: release the holds the request
-        needs the blocks of (with room kept ahead of returns: the blocks of its ``whole`` prompt
-        plus the kept room). True: it would fit only if the critical reserve were lent, or only
-        in the kept room, so it waits a step and the engine looks at the next request (the
-        connector's ``spatial.reserve_denials`` / ``return_reserve.denials``)."""
+    def make_room(self, req: Request, need: int) -> bool:
+        """The connector's ``_make_room`` for holds and kept room. With room kept against it (a
+        due return): the request waits a step unless it fits beside the kept room, and releases
+        no hold (the holds are chains of sessions about to return too). Otherwise: release the
+        holds it needs the blocks of. True: it waits a step and the engine looks at the next
+        request (the connector's ``return_reserve.denials`` / ``spatial.reserve_denials``: it
+        would fit only if the critical reserve were lent)."""
         if not self._holds and not self._returning:
             return False
         returning = self._kept_against(req)
-        kept = sum(self._returning[sid] for sid in returning)
-        target = max(need, (need if whole is None else whole) + kept) if kept else need
-        free = self.cache.num_free
-        if self._holds and free < target:
-            own = req.session.session_id
-            protect = self._protected(req) | returning
-            releasable = self._held_blocks(lambda sid: sid != own and sid not in protect)
-            if free + releasable >= target:
-                self._release_holds_until(
-                    lambda: self.cache.num_free >= target, "room", spare=own, protect=protect
-                )
-                return False
-            if kept and free + releasable >= need:
-                self.stats["return_reserve.denials"] += 1  # it fits only in the kept room
-                return True
-            if protect and free + releasable + self._held_blocks(protect.__contains__) >= need:
-                self.stats[
-                    "spatial.reserve_denials" if protect - returning else "return_reserve.denials"
-                ] += 1
+        if returning:
+            if self.cache.num_free - need < sum(self._returning[sid] for sid in returning):
+                self.stats["return_reserve.denials"] += 1
                 return True
             return False
-        if kept and free < target:
-            self.stats["return_reserve.denials"] += 1
+        if not self._holds or self.cache.num_free >= need:
+            return False
+        own = req.session.session_id
+        protect = self._protected(req)
+        releasable = self._held_blocks(lambda sid: sid != own and sid not in protect)
+        if self.cache.num_free + releasable >= need:
+            self._release_holds_until(lambda: self.cache.num_free >= need, "room", spare=own, protect=protect)
+            return False
+        if protect and self.cache.num_free + releasable + self._held_blocks(protect.__contains__) >= need:
+            self.stats["spatial.reserve_denials"] += 1
             return True
         return False
 

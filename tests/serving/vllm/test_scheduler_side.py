@@ -2783,11 +2783,11 @@ def test_kept_room_holds_back_only_an_agent_requests_first_admission(pool: Block
     bp.release(pool, running[10:])
 
 
-def test_other_sessions_holds_yield_so_an_admission_leaves_the_kept_room(
-    pool: BlockPool, clock: Clock
-) -> None:
-    """A held chain whose own window has closed is released for an admission that would
-    otherwise take the room kept for a due return: the admission goes, the kept room stays."""
+def test_while_room_is_kept_an_admission_releases_no_hold(pool: BlockPool, clock: Clock) -> None:
+    """Held chains are of sessions about to return too: an admission that would fit beside the
+    kept room only by releasing another session's hold waits instead (releasing it moved
+    readiness from one return to another: 79 % instead of 85 % on the simulator's H200 stress
+    model at 64 agents)."""
     side = make_side(pool, clock, return_reserve="on")
     _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)  # B's likely return is past
     hashes = chain("ret", 3)
@@ -2804,7 +2804,9 @@ def test_other_sessions_holds_yield_so_an_admission_leaves_the_kept_room(
     bp.release(pool, running[:10])  # 11 free, B holds 2
     w = request("w", chain("w", 1), 10 * BS, session="run:W")  # 10 blocks + A's 3 > 11 free
     side.on_new_request(w)
-    assert side.get_num_new_matched_tokens(w, 0) == 0
-    assert "run:B" not in side._kept and bp.num_free(pool) == 13
-    assert side.stats.counter("return_reserve.denials") == 0
+    assert side.get_num_new_matched_tokens(w, 0) is None
+    assert "run:B" in side._kept and side.stats.counter("return_reserve.denials") == 1
+    fits = request("fits", chain("f", 1), 8 * BS, session="run:F")  # 8 + 3 = 11: fits beside it
+    side.on_new_request(fits)
+    assert side.get_num_new_matched_tokens(fits, 0) == 0 and "run:B" in side._kept
     bp.release(pool, running[10:])

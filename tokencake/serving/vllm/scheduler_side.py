@@ -1185,38 +1185,38 @@ class SchedulerSide:
         for h in computed:
             block = bp.cached_block(pool, bytes(h))
             evictable += block is not None and block.ref_cnt == 0
-        slots = int(request.num_tokens) + self.lookahead_tokens
-        need = -(-slots // self.block_size) - len(computed) + evictable
+        extra = evictable - len(computed)
         if self._running:
-            need += int(self.watermark * pool.num_gpu_blocks)
+            extra += int(self.watermark * pool.num_gpu_blocks)
+        need = -(-(int(request.num_tokens) + self.lookahead_tokens) // self.block_size) + extra
         waited = self._reserve_waited(request.request_id)
         own_hits = frozenset(bytes(h) for h in computed)
-        # Room kept ahead of returns (``_reserve_returns``): the admission must leave it free, and
-        # the holds of those returns stay; holds of other sessions still yield to it.
+        # Room kept ahead of returns (``_reserve_returns``): the admission waits unless this step's
+        # share of its prompt fits beside the kept room — counted like the rest, with vLLM's chunk
+        # bound (``max_num_batched_tokens``): the later chunks it takes as a running request — and
+        # it releases no hold (held chains are of sessions about to return too).
         returning = self._returning_against(info, own, waited)
-        kept = sum(self._returning[sid] for sid in returning)
-        if self._kept and bp.num_free(pool) < need + kept:
-            protect = self._protected(info, waited) | returning
+        if returning:
+            step = min(int(request.num_tokens), num_computed_tokens + self.max_step_tokens)
+            step_need = -(-(step + self.lookahead_tokens) // self.block_size) + extra
+            if bp.num_free(pool) - step_need < sum(self._returning[sid] for sid in returning):
+                self.stats.inc("return_reserve.denials")
+                return True
+        elif self._kept and bp.num_free(pool) < need:
+            protect = self._protected(info, waited)
             releasable = self._releasable(
                 k for k in self._kept.values() if k.session_id != own and k.session_id not in protect
             )
-            if bp.num_free(pool) + releasable >= need + kept:
+            if bp.num_free(pool) + releasable >= need:
                 self._release_kept_until(
-                    lambda: bp.num_free(pool) >= need + kept, "room", spare=own, protect=protect
+                    lambda: bp.num_free(pool) >= need, "room", spare=own, protect=protect
                 )
-            elif kept and bp.num_free(pool) + releasable >= need:
-                self.stats.inc("return_reserve.denials")  # it fits only in the kept room
-                return True
             elif protect and bp.num_free(pool) + releasable + self._protected_blocks(protect) >= need:
                 # It would fit if the reserve were lent: it waits a step (bounded by
-                # critical_reserve_wait_s, or the return's window) and vLLM looks at the next
-                # request, instead of failing its allocation, which stops vLLM's admission loop for
-                # everyone behind it.
-                self.stats.inc("spatial.reserve_denials" if protect - returning else "return_reserve.denials")
+                # critical_reserve_wait_s) and vLLM looks at the next request, instead of failing
+                # its allocation, which stops vLLM's admission loop for everyone behind it.
+                self.stats.inc("spatial.reserve_denials")
                 return True
-        if kept and bp.num_free(pool) < need + kept:
-            self.stats.inc("return_reserve.denials")
-            return True
         # After any release: released blocks join the back of the free queue, and the critical
         # chains this spares must stay behind them. (It can only ask the request to wait when
         # the request fits without releasing anything, so nothing is released for a waiter.)
