@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tokencake.serving.prefetch import PrefetchPlanner, stall_expiry_s
+from tokencake.serving.prefetch import PrefetchPlanner, kept_room, stall_expiry_s
 
 
 class Clock:
@@ -346,3 +346,18 @@ def test_miss_reasons_name_what_kept_the_chain_off_device() -> None:
     # Classified before the request came: given up (it came too late), or settled by another.
     gone = plan("done", classification="unused")
     assert miss_reason(gone, room_at_arrival=True, deferred=0) == "classified.unused"
+
+
+def test_kept_room_goes_to_the_soonest_due_returns_that_fit() -> None:
+    """Soonest due first; one that would overflow the cap is skipped (a later, smaller one may
+    still fit); unknown (None) and zero counts keep nothing."""
+    due = [
+        (3.0, "late", lambda: 2),
+        (1.0, "first", lambda: 5),
+        (2.0, "big", lambda: 6),
+        (0.5, "unknown", lambda: None),
+        (0.7, "back", lambda: 0),
+    ]
+    assert kept_room(due, cap=8) == {"first": 5, "late": 2}
+    assert kept_room(due, cap=11) == {"first": 5, "big": 6}
+    assert kept_room([], cap=8) == {}

@@ -30,7 +30,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +42,7 @@ __all__ = [
     "PlannedStall",
     "PrefetchPlanner",
     "PrefetchState",
+    "kept_room",
     "miss_reason",
     "stall_expiry_s",
 ]
@@ -83,6 +84,21 @@ def miss_reason(plan: PlannedStall | None, *, room_at_arrival: bool | None, defe
     if plan.state == "done" and plan.classification is not None:
         return f"classified.{plan.classification}"
     return plan.state
+
+
+def kept_room(due: Iterable[tuple[float, str, Callable[[], int | None]]], cap: int) -> dict[str, int]:
+    """Room kept ahead of returns (``Options.return_reserve``, ``docs/policy.md`` §4): of the due
+    returns ``(due_at, session, count)``, soonest due first, each keeps the blocks ``count()``
+    says its chain needs (None: not known yet, skipped) while all fit in ``cap`` blocks.
+    Session → blocks kept. Shared by the connector and the simulator."""
+    out: dict[str, int] = {}
+    total = 0
+    for _at, session_id, count in sorted(due, key=lambda d: d[0]):
+        kept = count()
+        if kept is not None and kept > 0 and total + kept <= cap:
+            out[session_id] = kept
+            total += kept
+    return out
 
 
 def stall_expiry_s(

@@ -22,6 +22,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from tokencake.serving.forecast import DurationForecaster
@@ -29,7 +30,7 @@ from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remain
 from tokencake.serving.host_pool import HostPool, HostPoolExhausted, preemption_victims
 from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
-from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
+from tokencake.serving.prefetch import PrefetchPlanner, kept_room, miss_reason, stall_expiry_s
 from tokencake.serving.sessions import BlockUsers
 from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank, reserved_sessions
 
@@ -569,20 +570,18 @@ class KVExtension:
             else:
                 stall.reserve_blocks = None
         cap = int(self.opts.return_reserve_frac * self.cache.num_blocks)
-        out: dict[str, int] = {}
-        total = 0
-        for stall in sorted(due, key=lambda st: st.reserve_from):
-            sid = stall.session.session_id
-            held = self._holds.get(sid)
-            if stall.reserve_blocks is None:
-                if self._offload_pending(stall):
-                    continue  # its chain is not on host yet (and no upload starts before it is)
-                stall.reserve_blocks = self._room_to_return(stall, held)
-            kept = stall.reserve_blocks - (len(held.blocks) if held is not None else 0)
-            if kept > 0 and total + kept <= cap:
-                out[sid] = kept
-                total += kept
-        return out
+        return kept_room(
+            ((st.reserve_from, st.session.session_id, partial(self._kept_for, st)) for st in due), cap
+        )
+
+    def _kept_for(self, stall: _Stall) -> int | None:
+        """The connector's ``_kept_for``."""
+        held = self._holds.get(stall.session.session_id)
+        if stall.reserve_blocks is None:
+            if self._offload_pending(stall):
+                return None
+            stall.reserve_blocks = self._room_to_return(stall, held)
+        return stall.reserve_blocks - (len(held.blocks) if held is not None else 0)
 
     def _room_to_return(self, stall: _Stall, held: _Hold | None) -> int:
         """The connector's ``_room_to_return``."""

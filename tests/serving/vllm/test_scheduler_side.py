@@ -2695,6 +2695,11 @@ def _returning_case(pool: BlockPool, clock: Clock, mode: str = "on") -> tuple[Sc
     """Session A's 3-block chain is on host only while its 4 s tool runs (due at 2 s, late end
     at 8 s by the prior), one request runs, and the clock is at A's due time."""
     side = make_side(pool, clock, return_reserve=mode)
+    return side, _due_return(side, pool, clock)
+
+
+def _due_return(side: SchedulerSide, pool: BlockPool, clock: Clock) -> list[bytes]:
+    """``_returning_case`` on a given connector."""
     hashes = chain("ret", 3)
     finish_turn(side, pool, hashes)
     side.handle_event(begin(predicted=4.0))
@@ -2704,7 +2709,7 @@ def _returning_case(pool: BlockPool, clock: Clock, mode: str = "on") -> tuple[Sc
     plan = side.planner.get("s1")
     assert plan is not None and plan.late_at == pytest.approx(plan.begin_at + 8.0)
     clock.t = plan.due_at + 0.01
-    return side, hashes
+    return hashes
 
 
 def test_return_reserve_is_auto_by_where_copies_run() -> None:
@@ -2790,15 +2795,7 @@ def test_while_room_is_kept_an_admission_releases_no_hold(pool: BlockPool, clock
     model at 64 agents)."""
     side = make_side(pool, clock, return_reserve="on")
     _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)  # B's likely return is past
-    hashes = chain("ret", 3)
-    finish_turn(side, pool, hashes)
-    side.handle_event(begin(predicted=4.0))
-    answer(side, side.build_meta())
-    evict_all(pool)
-    side.observe_step(BS, num_running=1)
-    plan = side.planner.get("s1")
-    assert plan is not None
-    clock.t = plan.due_at + 0.01
+    _due_return(side, pool, clock)
     running = bp.allocate(pool, bp.num_free(pool) - 1)  # no budget for A's upload
     assert side.build_meta().jobs == [] and side._returning == {"run:A": 3}
     bp.release(pool, running[:10])  # 11 free, B holds 2

@@ -46,6 +46,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import ValidationError
@@ -56,7 +57,7 @@ from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remain
 from tokencake.serving.host_pool import HostPool, HostPoolExhausted, preemption_victims
 from tokencake.serving.options import Options
 from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
-from tokencake.serving.prefetch import PrefetchPlanner, miss_reason, stall_expiry_s
+from tokencake.serving.prefetch import PrefetchPlanner, kept_room, miss_reason, stall_expiry_s
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.sessions import BlockUsers, ByteLRU, SessionTracker, StallTransition, hashes_nbytes
 from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank, reserved_sessions
@@ -1118,20 +1119,20 @@ class SchedulerSide:
             else:
                 stall.reserve_blocks = None
         cap = int(self.opts.return_reserve_frac * pool.num_gpu_blocks)
-        out: dict[str, int] = {}
-        total = 0
-        for stall in sorted(due, key=lambda st: st.reserve_from):
-            held = self._kept.get(stall.session_id)
-            if stall.reserve_blocks is None:
-                if self._offload_pending(stall):
-                    continue  # its chain is not on host yet (and no upload starts before it is)
-                stall.reserve_blocks = self._room_to_return(stall, held)
-            kept = stall.reserve_blocks - (len(held.blocks) if held is not None else 0)
-            if kept > 0 and total + kept <= cap:
-                out[stall.session_id] = kept
-                total += kept
-        self.stats.set("return_reserve.blocks", total)
+        out = kept_room(((st.reserve_from, st.session_id, partial(self._kept_for, st)) for st in due), cap)
+        self.stats.set("return_reserve.blocks", sum(out.values()))
         return out
+
+    def _kept_for(self, stall: _Stall) -> int | None:
+        """Blocks the stall's return keeps now: its chain's count (taken once the offload is
+        confirmed) less its hold; None while the chain is not on host yet (no upload starts
+        before it is)."""
+        held = self._kept.get(stall.session_id)
+        if stall.reserve_blocks is None:
+            if self._offload_pending(stall):
+                return None
+            stall.reserve_blocks = self._room_to_return(stall, held)
+        return stall.reserve_blocks - (len(held.blocks) if held is not None else 0)
 
     def _room_to_return(self, stall: _Stall, held: _Keep | None) -> int:
         """Blocks of the chain's returnable run (device or host copy, unbroken from block 0)
