@@ -581,7 +581,8 @@ class KVExtension:
             if self._offload_pending(stall):
                 return None
             stall.reserve_blocks = self._room_to_return(stall, held)
-        return stall.reserve_blocks - (len(held.blocks) if held is not None else 0)
+        copying = len(stall.prefetch_job.blocks) if stall.prefetch_job is not None else 0
+        return stall.reserve_blocks - (len(held.blocks) if held is not None else 0) - copying
 
     def _room_to_return(self, stall: _Stall, held: _Hold | None) -> int:
         """The connector's ``_room_to_return``."""

@@ -2807,3 +2807,16 @@ def test_while_room_is_kept_an_admission_releases_no_hold(pool: BlockPool, clock
     side.on_new_request(fits)
     assert side.get_num_new_matched_tokens(fits, 0) == 0 and "run:B" in side._kept
     bp.release(pool, running[10:])
+
+
+def test_an_upload_in_flight_counts_against_the_kept_room(pool: BlockPool, clock: Clock) -> None:
+    """The blocks an upload of the chain is copying into are taken already: the return keeps
+    only what is still missing (it counted them twice until the copy landed)."""
+    side, _hashes = _returning_case(pool, clock)
+    (job,) = side.build_meta().jobs  # the due upload: all 3 blocks, copy in flight
+    assert job.kind == "prefetch" and side._returning == {"run:A": 3}  # taken before the upload
+    side.build_meta()
+    assert side._returning == {}  # 3 missing - 3 being copied
+    answer(side, TokenCakeMetadata([job]))
+    side.build_meta()
+    assert side._returning == {} and "run:A" in side._kept  # held now

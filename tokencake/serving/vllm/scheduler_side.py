@@ -1125,14 +1125,16 @@ class SchedulerSide:
 
     def _kept_for(self, stall: _Stall) -> int | None:
         """Blocks the stall's return keeps now: its chain's count (taken once the offload is
-        confirmed) less its hold; None while the chain is not on host yet (no upload starts
-        before it is)."""
+        confirmed) less its hold and the blocks an upload of it is copying into; None while the
+        chain is not on host yet (no upload starts before it is)."""
         held = self._kept.get(stall.session_id)
         if stall.reserve_blocks is None:
             if self._offload_pending(stall):
                 return None
             stall.reserve_blocks = self._room_to_return(stall, held)
-        return stall.reserve_blocks - (len(held.blocks) if held is not None else 0)
+        job = self._jobs.get(stall.prefetch_job) if stall.prefetch_job is not None else None
+        copying = len(job.device_blocks) if job is not None and job.kind == "prefetch" else 0
+        return stall.reserve_blocks - (len(held.blocks) if held is not None else 0) - copying
 
     def _room_to_return(self, stall: _Stall, held: _Keep | None) -> int:
         """Blocks of the chain's returnable run (device or host copy, unbroken from block 0)
