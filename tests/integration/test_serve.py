@@ -130,7 +130,7 @@ def _serve_cmd(port: int, *more: str) -> list[str]:
     # --model: the already prepared default model, so the tmp TOKENCAKE_HOME needs no conversion
     model = str(default_model_dir())
     return [sys.executable, "-m", "tokencake", "serve", "--model", model, "--port", str(port),
-            "--num-gpu-blocks", "40", *more]  # fmt: skip
+            "--num-gpu-blocks", "40", *more, "--", "--dtype", "float32"]  # fmt: skip
 
 
 def _wait_models(port: int, proc: subprocess.Popen[str] | None, timeout: float = 600.0) -> float:
