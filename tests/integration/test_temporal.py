@@ -58,6 +58,7 @@ def tiny_pool_server(server_logs: Path) -> Iterator[Server]:
         num_gpu_blocks=DEVICE_BLOCKS,
         max_model_len=4096,
         host_pool_blocks=2,
+        extra_args=["--dtype", "float32"],  # as SERVER_SETTINGS: answers are compared across servers
         log_file=server_logs / "tokencake-tiny-pool.log",
         startup_timeout=600.0,
     )
