@@ -44,12 +44,14 @@ GPU_PROFILE = "h200-llama3-8b"
 
 
 def readiness(r: SimResult) -> dict[str, Any]:
-    c = (r.extension or {}).get("counters", {})
+    """One side's E2E and readiness (the extension's own ``ready_rate``; ``no_room_share`` as
+    ``benchmarks/unseen_sim.py`` pools it), admissions held back and where prompts came from."""
+    ext = r.extension or {}
+    c = ext.get("counters", {})
     eligible = c.get("readiness.eligible", 0)
-    ready = sum(c.get(f"readiness.{k}", 0) for k in ("prefetched", "not_needed", "loading"))
     return {
         "e2e_mean_s": r.e2e_mean_s,
-        "ready_rate": ready / eligible if eligible else None,
+        "ready_rate": ext.get("ready_rate"),
         "no_room_share": c.get("readiness.no_room", 0) / eligible if eligible else None,
         "eligible": eligible,
         "denials": c.get("return_reserve.denials", 0),

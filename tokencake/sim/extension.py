@@ -598,7 +598,7 @@ class KVExtension:
                 n += 1
         return n
 
-    def _kept_against(self, req: Request) -> frozenset[str]:
+    def _returning_against(self, req: Request) -> frozenset[str]:
         """The connector's ``_returning_against``: returns whose kept room an agent request's
         first admission must leave free while requests run, never its own session's."""
         assert self.engine is not None
@@ -616,7 +616,7 @@ class KVExtension:
         would fit only if the critical reserve were lent)."""
         if not self._holds and not self._returning:
             return False
-        returning = self._kept_against(req)
+        returning = self._returning_against(req)
         if returning:
             if self.cache.num_free - need < sum(self._returning[sid] for sid in returning):
                 self.stats["return_reserve.denials"] += 1
@@ -871,13 +871,15 @@ class KVExtension:
         if req.seen_at is not None:
             self.policy.observe_queue_delay(max(self.now - req.arrival, 0.0))
 
-    def _keep_free(self, exclude: Request | None = None) -> int:
+    def _keep_free(self, exclude: Request | None = None, *, ahead_of_queue: bool = False) -> int:
         """Blocks a prefetch must leave free (the connector's ``_keep_free``): the larger of the
-        reserve, one per running request and what the queued requests but ``exclude`` need."""
+        reserve, one per running request and what the queued requests but ``exclude`` need (not
+        the queue's for a return kept ahead of it)."""
         assert self.engine is not None
         if self._short_pass:
             return self.cache.num_free
-        return max(self._reserve(), len(self.engine.running), self.engine.waiting_blocks(exclude=exclude))
+        queued = 0 if ahead_of_queue else self.engine.waiting_blocks(exclude=exclude)
+        return max(self._reserve(), len(self.engine.running), queued)
 
     def _chain_state(self, keys: Sequence[Any]) -> tuple[int, int]:
         """(blocks of the chain missing on device, idle ones cached there)."""
@@ -1222,10 +1224,9 @@ class KVExtension:
             self.planner.mark_done(stall.stall_id, now=self.now)
             self.stats["prefetch.not_needed"] += 1
             return
-        if stall.session.session_id in self._returning and not self._short_pass:
-            bound = self.cache.num_free - max(self._reserve(), len(self.engine.running))
-        else:
-            bound = self.cache.num_free - self._keep_free()
+        bound = self.cache.num_free - self._keep_free(
+            ahead_of_queue=stall.session.session_id in self._returning
+        )
         if bound <= 0:
             stall.deferred += not topup
             return

@@ -1084,15 +1084,17 @@ class SchedulerSide:
             self.opts.prefetch_reserve_blocks, int(self.opts.prefetch_reserve_frac * self.pool.num_gpu_blocks)
         )
 
-    def _keep_free(self, exclude: str | None = None) -> int:
+    def _keep_free(self, exclude: str | None = None, *, ahead_of_queue: bool = False) -> int:
         """Device blocks a prefetch must leave free: the larger of the reserve, one block per
         running request (a decode that finds none preempts someone) and what the queued requests
-        (but ``exclude``) need — every free block in the step after a running request found none
-        (``free_for_running``). The prefetch budget and the readiness ``no_room`` test share it, so
-        "no room" means exactly "the budget rule would not have uploaded it"."""
+        (but ``exclude``) need — not the queue's for a return kept ahead of it (``ahead_of_queue``,
+        ``_reserve_returns``: the admissions that would take its room wait for it) — and every
+        free block in the step after a running request found none (``free_for_running``). The
+        prefetch budget and the readiness ``no_room`` test share it, so "no room" means exactly
+        "the budget rule would not have uploaded it"."""
         if self._short_pass and self.pool is not None:
             return bp.num_free(self.pool)  # a running request found no block: none to spare
-        queued = sum(n for r, n in self._waiting.items() if r != exclude)
+        queued = 0 if ahead_of_queue else sum(n for r, n in self._waiting.items() if r != exclude)
         return max(self._reserve_blocks(), self._running, queued)
 
     def _reserve_returns(self, now: float) -> dict[str, int]:
@@ -2355,13 +2357,8 @@ class SchedulerSide:
             self.planner.mark_done(stall.stall_id, now=now)
             self.stats.inc("prefetch.not_needed")
             return
-        # Our own idle cached blocks are counted free by vLLM, but allocating them would break the
-        # chain. A return kept for (``_reserve_returns``) goes ahead of the queue's demand: the
-        # admissions that would take its room wait for it.
-        if stall.session_id in self._returning and not self._short_pass:
-            keep = max(self._reserve_blocks(), self._running)
-        else:
-            keep = self._keep_free()
+        # Our own idle cached blocks are counted free by vLLM, but allocating them would break the chain.
+        keep = self._keep_free(ahead_of_queue=stall.session_id in self._returning)
         budget = bp.num_free(pool) - own_idle - keep
         if budget <= 0:
             if topup:
