@@ -180,6 +180,16 @@ class BlockCache:
         self.by_key[key] = block
         return True
 
+    def uncache(self, blocks: Iterable[int]) -> None:
+        """Drop the blocks' prefix keys (no hit can serve them); references and their place in
+        the free queue stay (vLLM's ``BlockPool.evict_blocks``)."""
+        for b in blocks:
+            k = self.key[b]
+            if k is not None:
+                if self.by_key.get(k) == b:
+                    del self.by_key[k]
+                self.key[b] = None
+
     def move(self, blocks: Iterable[int], *, front: bool) -> int:
         """Idle cached ``blocks`` to the front (evicted next: behind the empty blocks that lead the
         queue, at most ``EMPTY_WALK_LIMIT`` of them, as the connector's ``reorder``) or back of
