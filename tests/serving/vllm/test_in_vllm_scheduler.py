@@ -28,10 +28,10 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from tokencake.serving.kvcore.core import _Keep
 from tokencake.serving.model import default_model_dir
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.connector import TokenCakeConnector
-from tokencake.serving.vllm.scheduler_side import _Keep
 
 BS = 16
 NUM_BLOCKS = 12
@@ -124,7 +124,7 @@ def test_a_held_chain_yields_to_a_running_request_instead_of_a_preemption(schedu
     and then decodes — no preemption, nothing recomputed."""
     conn: Any = scheduler.connector
     side = conn.sched
-    pool = side.pool
+    pool = side.pool.pool  # vLLM's BlockPool behind the core's adapter
     r1 = _request("r1", 2 * BS, 3)  # its first decode token starts a third block
     scheduler.add_request(r1)
     assert dict(_step(scheduler).num_scheduled_tokens) == {"r1": 2 * BS}
@@ -146,7 +146,7 @@ def test_a_held_chain_yields_to_a_running_request_instead_of_a_preemption(schedu
 
 def test_without_a_hold_vllm_preempts_as_stock(scheduler: Scheduler) -> None:
     conn: Any = scheduler.connector
-    pool = conn.sched.pool
+    pool = conn.sched.pool.pool
     r1 = _request("r1", 2 * BS, 3)
     scheduler.add_request(r1)
     _step(scheduler)
@@ -167,7 +167,7 @@ def test_an_admission_that_would_take_kept_room_waits_and_vllm_admits_the_next(
     side = conn.sched
     side.reserves_returns = True
     side._reserve_returns = lambda now: {"run:A": 4}  # a return due, its chain on host
-    pool = side.pool
+    pool = side.pool.pool  # vLLM's BlockPool behind the core's adapter
     scheduler.add_request(_request("r1", 2 * BS, 3))
     _step(scheduler)  # r1 runs: 2 blocks, a third for its next token
     scheduler.add_request(_request("big", 6 * BS, 5, session="run:W"))  # would leave 2 free

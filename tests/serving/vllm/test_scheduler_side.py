@@ -19,10 +19,11 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool
 
 from tokencake.events import StallBegin, StallEnd
+from tokencake.serving.kvcore.core import ABANDONED_POLL_S, _Keep, stall_owner
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.metadata import JobResult, TokenCakeMetadata, TokenCakeWorkerMeta
-from tokencake.serving.vllm.scheduler_side import ABANDONED_POLL_S, Options, SchedulerSide, _Keep, stall_owner
+from tokencake.serving.vllm.scheduler_side import Options, SchedulerSide
 
 BS = 4  # tokens per block
 NUM_BLOCKS = 16

@@ -20,9 +20,9 @@ Operations a :class:`DevicePool` offers:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["DeviceBlock", "DevicePool"]
+__all__ = ["DeviceBlock", "DevicePool", "RequestView"]
 
 
 @runtime_checkable
@@ -113,4 +113,38 @@ class DevicePool(Protocol):
         """The cached free blocks whose hash is ``wanted`` that would be evicted before ``n``
         other free blocks, front first. Blocks whose hash is ``skip`` are neither found nor
         counted."""
+        ...
+
+
+class RequestView(Protocol):
+    """A request as the core reads it (vLLM's ``Request`` has these attributes; so does the
+    simulator's). The core never mutates it."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus the output generated so far."""
+        ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV the engine has computed (or loaded) so far."""
+        ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]:
+        """The hash of each full block of ``num_tokens``, in order (a prefix chain)."""
+        ...
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """Connector parameters the client sent (``tokencake`` carries the SDK's metadata)."""
         ...

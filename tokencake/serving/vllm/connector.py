@@ -46,6 +46,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tokencake.serving.event_api import EVENTS_API_KEY_ENV, EventServer
 from tokencake.serving.host_pool import blocks_for_gib
+from tokencake.serving.kvcore.core import _extra_bool
 from tokencake.serving.model import tokencake_home
 from tokencake.serving.options import RESERVE_WAIT_FROM, RETURN_RESERVE
 from tokencake.serving.policies import POLICY_NAMES
@@ -54,7 +55,7 @@ from tokencake.serving.spatial import ADMISSIONS
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm import metrics as tc_metrics
 from tokencake.serving.vllm.metadata import CopyJob, TokenCakeMetadata, TokenCakeWorkerMeta
-from tokencake.serving.vllm.scheduler_side import Options, SchedulerSide, _extra_bool
+from tokencake.serving.vllm.scheduler_side import Options, SchedulerSide
 from tokencake.serving.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
