@@ -29,7 +29,7 @@ from ._stall import StallScope
 from ._tool import Tool
 
 if TYPE_CHECKING:
-    from ._app import Node, Ref
+    from ._node import Node, Ref
     from ._result import NodeResult
     from ._runner import RunState
 
