@@ -5,7 +5,7 @@ Everything public is re-exported here (and from ``tokencake``); the ``_x`` modul
 the server-side benefit to agents written with any other OpenAI-compatible client or framework.
 """
 
-from ._app import App, Node
+from ._app import App
 from ._context import Context
 from ._errors import (
     AppDefinitionError,
@@ -21,6 +21,7 @@ from ._errors import (
 from ._llm import LLM, LLMReply, ToolCall, Usage
 from ._llm_stream import LLMStream
 from ._metadata import request_metadata
+from ._node import Node
 from ._otel import OTelObserver
 from ._result import NodeResult, RunEvent, RunResult
 from ._retry import Retry

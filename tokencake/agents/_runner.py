@@ -29,7 +29,8 @@ from ._result import EventKind, NodeResult, RunEvent, RunResult
 from ._stall import HttpStallReporter, StallHook, StallHooks
 
 if TYPE_CHECKING:
-    from ._app import App, Node, Ref
+    from ._app import App
+    from ._node import Node, Ref
 
 #: Event kinds only ``app.stream()`` sees (not recorded in ``RunResult.events``).
 STREAM_ONLY: frozenset[str] = frozenset({"stall_begin", "stall_end", "run_result"})

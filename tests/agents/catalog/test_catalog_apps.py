@@ -12,9 +12,10 @@ import pytest
 
 import tokencake as tc
 from tokencake.agents import catalog
-from tokencake.agents.catalog import code_writer, tool_agent
+from tokencake.agents.catalog import tool_agent
 from tokencake.agents.catalog._corpus import bundled_corpus
 from tokencake.agents.catalog._sandbox import Sandbox
+from tokencake.agents.catalog.code_writer._script import SOLUTION
 
 FAST = "scaled:0"
 
@@ -92,7 +93,7 @@ def test_code_writer_writes_files_and_generated_tests_pass(tmp_path: Path) -> No
     root = Path(out["sandbox"])
     assert root.parent == tmp_path
     for k in (1, 2, 3):
-        module = code_writer._SOLUTION[k][0]
+        module = SOLUTION[k][0]
         assert (root / module).is_file() and (root / f"test_{module}").is_file()
     assert (root / "PLAN.md").read_text().count(".py") >= 6
     assert out["tests_passed"] is True and out["approved"] is True
