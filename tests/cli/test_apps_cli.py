@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jsonschema
 import pytest
-from rich.console import Console
 
-import tokencake as tc
 from tokencake.agents import catalog
 from tokencake.cli import main
-from tokencake.cli._apps import Progress
 
 _TIMING = {"type": "number", "minimum": 0}
 _TOKENS = {
@@ -161,46 +156,6 @@ def test_run_human_output_off_a_terminal_has_no_escape_codes(tmp_path: Path) -> 
     assert "writer" in proc.stderr and "done" in proc.stderr  # plain progress lines instead of a live view
 
 
-def test_live_view_renders_every_state() -> None:
-    app = catalog.get_app("rag")
-    progress = Progress.for_app(app)
-    now = time.time()
-
-    def ev(kind: str, node: str | None = "rag", **data: object) -> tc.RunEvent:
-        return tc.RunEvent(kind, node, now, data)  # type: ignore[arg-type]
-
-    buf = io.StringIO()
-    console = Console(file=buf, force_terminal=True, width=120)
-    states = []
-    for event in [
-        ev("run_started", None),
-        ev("node_ready"),
-        ev("node_started"),
-        ev("llm_started", turn=0),
-        ev("llm_finished", latency_s=0.5, prompt_tokens=10, completion_tokens=5),
-        ev("tool_started", tool="embed_text"),
-        ev("tool_finished", tool="embed_text", duration_s=0.25, outcome="ok"),
-        ev("node_failed", error="boom [x]", cancelled=False),
-    ]:
-        progress(event)
-        states.append(progress.nodes["rag"].state)
-        console.print(progress)
-    assert states == [
-        "waiting",
-        "ready",
-        "running",
-        "in LLM",
-        "running",
-        "in tool (stalled)",
-        "running",
-        "failed",
-    ]
-    view = progress.nodes["rag"]
-    assert (view.llm_s, view.tool_s, view.tokens) == (0.5, 0.25, 15)
-    assert "in tool (stalled)" in buf.getvalue() and "boom [x]" in buf.getvalue()
-    progress(ev("node_finished", node="unknown-node"))  # events of other nodes are ignored
-
-
 def test_apps_lists_every_app(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(["apps"], capsys)
     assert code == 0 and ANSI not in out
@@ -270,40 +225,6 @@ def test_graph_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-def test_kv_summary_says_what_the_extension_did() -> None:
-    from tokencake.cli._apps import kv_summary
-
-    counters = {
-        "events.stall_begin": 10,
-        "stalls.decision.offload": 3,
-        "stalls.decision.already_on_host": 2,
-        "stalls.decision.no_pressure": 5,
-        "next_turn.requests": 8,
-        "next_turn.prefix_tokens": 4096,
-        "next_turn.prefix_tokens_device": 2048,
-        "next_turn.prefix_tokens_host": 1536,
-        "next_turn.prefix_tokens_recomputed": 512,
-        "offload.bytes": 12_000_000,
-        "offload.blocks": 12,
-        "prefetch.bytes": 8_000_000,
-        "prefetch.on_time": 2,
-        "prefetch.late": 1,
-        "demand_load.blocks": 4,
-        "tokens.from_host": 1536,
-    }
-    text = "\n".join(kv_summary(counters))
-    assert "tool calls (stalls): 10" in text and "offload 3" in text and "already on host 2" in text
-    assert "4,096 tokens = device 2,048 + host 1,536 + recomputed 512" in text
-    assert "offload 12.0 MB" in text and "on time 2, late 1" in text and "no KV pressure" not in text
-    assert "time to first token" not in text  # no histogram given
-    ttft = {"count": 8, "mean": 0.41, "p90": 0.9, "max": 1.2}
-    text = "\n".join(kv_summary(counters, {"next_turn.ttft_s": ttft}))
-    assert "time to first token: mean 0.41 s · p90 0.90 s · max 1.20 s (8 turns)" in text
-    quiet = kv_summary({"events.stall_begin": 3, "stalls.decision.no_pressure": 3})
-    assert any("no KV pressure" in line for line in quiet)
-    assert "no tool calls" in kv_summary({})[0]
-
-
 def test_device_blocks_needs_the_embedded_server(capsys: pytest.CaptureFixture[str]) -> None:
     code, _out, err = cli(["run", "rag", "--scripted", "--device-blocks", "40"], capsys)
     assert code == 2 and "use it with --serve" in err and len(err.strip().splitlines()) == 1
@@ -314,35 +235,3 @@ def test_compare_baseline_needs_the_embedded_server_and_no_json(capsys: pytest.C
     assert code == 2 and "use it with --serve" in err and len(err.strip().splitlines()) == 1
     code, _out, err = cli(["run", "rag", "--serve", "--json", "--compare-baseline"], capsys)
     assert code == 2 and "not with --json" in err and len(err.strip().splitlines()) == 1
-
-
-def test_resumed_turns_are_the_llm_calls_after_a_tool() -> None:
-    from tokencake.cli._apps import resumed_turn_latencies, run_figures
-
-    app = catalog.get_app("rag", latency="scaled:0")
-    result = app.run_sync(llm=catalog.scripted_llm("rag"), **catalog.default_inputs("rag"))
-    calls = [e for e in result.events if e.kind == "llm_finished"]
-    tools = [e for e in result.events if e.kind == "tool_finished"]
-    assert len(calls) >= 2 and tools
-    resumed = resumed_turn_latencies(result)
-    # rag is one agent: LLM → tools → LLM; every call that follows a tool call counts, once.
-    assert 1 <= len(resumed) <= min(len(tools), len(calls) - 1)
-    assert all(x >= 0 for x in resumed)
-    metrics = {'vllm:prompt_tokens_by_source_total{source="local_compute"}': 900.0}
-    figures = run_figures(result, metrics)
-    assert figures["resumed"] == len(resumed) and figures["computed_prompt_tokens"] == 900.0
-    assert figures["status"] == "ok" and figures["prompt_tokens"] is None
-
-
-def test_compare_table_puts_both_systems_side_by_side() -> None:
-    from tokencake.cli._apps import compare_table
-
-    ext = {"status": "ok", "wall_s": 30.0, "llm_s": 20.0, "resumed": 4, "resumed_mean_s": 1.0}
-    base = {"status": "ok", "wall_s": 40.0, "llm_s": 30.0, "resumed": 4, "resumed_mean_s": 2.0}
-    ext["computed_prompt_tokens"], base["computed_prompt_tokens"] = 5000.0, 10000.0
-    console = Console(file=io.StringIO(), width=140, force_terminal=False)
-    console.print(compare_table(ext, base))
-    text = console.file.getvalue()
-    assert "30.00 s" in text and "40.00 s" in text and "0.75" in text  # wall time and its ratio
-    assert "5,000" in text and "10,000" in text and "0.50" in text
-    assert "—" in text  # prompt tokens / preemptions not given

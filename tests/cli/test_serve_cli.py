@@ -13,7 +13,9 @@ import pytest
 
 from tokencake.cli import _serve as serve_cli
 from tokencake.cli import build_parser, main
-from tokencake.serving import server as srvmod
+from tokencake.serving import machine
+from tokencake.serving.model import ResolvedModel
+from tokencake.serving.process_group import group_alive
 
 
 @pytest.fixture(autouse=True)
@@ -25,8 +27,8 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(srvmod, "cuda_available", lambda: False)
-    monkeypatch.setattr(srvmod, "vllm_installed", lambda: True)
+    monkeypatch.setattr(machine, "cuda_available", lambda: False)
+    monkeypatch.setattr(machine, "vllm_installed", lambda: True)
 
 
 def _one_error_line(capsys: pytest.CaptureFixture[str], rc: int) -> str:
@@ -115,7 +117,7 @@ def test_gpu_flags_on_cpu(cpu: None, capsys: pytest.CaptureFixture[str], flags: 
 
 
 def test_missing_vllm(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(srvmod, "vllm_installed", lambda: False)
+    monkeypatch.setattr(machine, "vllm_installed", lambda: False)
     err = _one_error_line(capsys, main(["serve", "--port", "0"]))
     assert "vLLM is not installed" in err
 
@@ -152,7 +154,7 @@ def test_exposed_events_without_a_key_is_one_line(cpu: None, capsys: pytest.Capt
 def test_key_from_the_environment_stays_out_of_argv(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENCAKE_API_KEY", "sk-env-secret")
     server = serve_cli.build_server(build_parser().parse_args(["serve"]))
-    server.resolved = srvmod.ResolvedModel("/m", "m")
+    server.resolved = ResolvedModel("/m", "m")
     assert server.api_key == "sk-env-secret"
     assert "sk-env-secret" not in " ".join(server.command())
     assert server.child_env()["VLLM_API_KEY"] == "sk-env-secret"
@@ -205,7 +207,7 @@ def test_stop_stops_a_recorded_watchdog(home: Path, capsys: pytest.CaptureFixtur
         time.sleep(1.0)
         assert main(["stop", "--port", "8200"]) == 0
         assert proc.wait(10) is not None
-        assert not srvmod.group_alive(proc.pid)
+        assert not group_alive(proc.pid)
         assert not (run / "server-8200.json").exists()
     finally:
         if proc.poll() is None:
@@ -225,7 +227,7 @@ def test_cli_error_is_one_line_in_a_real_process(tmp_path: Path) -> None:
     # A dev-only install (no vLLM) stops at the first check, which is one line too.
     expected = (
         f"--model {tmp_path / 'missing'}: no such model directory"
-        if srvmod.vllm_installed()
+        if machine.vllm_installed()
         else "vLLM is not installed in this environment: run `make venv`"
     )
     lines = res.stderr.strip().splitlines()

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tokencake.serving import ModelError, Server, ServerError, find_gguf
-from tokencake.serving.server import vllm_installed
+from tokencake.serving.machine import vllm_installed
 
 #: Settings shared by the extension and the baseline server (and by tests that start their own).
 #: float32 pinned: ``tokencake serve`` picks bf16 on CPUs with native bf16 (AMX / avx512_bf16), where

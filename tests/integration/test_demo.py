@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tokencake.serving.server import vllm_installed
+from tokencake.serving.machine import vllm_installed
 
 
 def _vllm_children() -> set[int]:

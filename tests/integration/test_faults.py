@@ -35,7 +35,8 @@ import httpx
 import pytest
 
 import tokencake as tc
-from tokencake.serving.server import Server, group_alive
+from tokencake.serving.process_group import group_alive
+from tokencake.serving.server import Server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -41,7 +41,7 @@ def test_replicas_get_their_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_serve_replicas_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tokencake.serving.server.cuda_available", lambda: False)
+    monkeypatch.setattr("tokencake.serving.machine.cuda_available", lambda: False)
     args = build_parser().parse_args(["serve", "--replicas", "2", "--num-gpu-blocks", "40", "--spatial"])
     reps = serve_cli.build_replicas(args)
     assert reps.n == 2 and reps.router_policy == "consistent_hash"

@@ -1,5 +1,6 @@
-"""Server launcher without vLLM: argv/env building, preflight errors, and the process lifecycle.
+"""Server without vLLM: the process lifecycle, readiness, and the client calls on a running server.
 
+Argv/env building and the preflight refusals are ``ServerConfig``'s (``test_server_config.py``).
 The lifecycle tests swap vLLM for a tiny stand-in (an HTTP server answering /health and
 /v1/models that also forks a SIGTERM-ignoring "EngineCore"), so they exercise the real watchdog,
 readiness polling, early-exit detection and the no-orphan guarantees in a few seconds.
@@ -8,7 +9,6 @@ readiness polling, early-exit detection and the no-orphan guarantees in a few se
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,219 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tokencake.events import EVENTS_PORT_OFFSET
 from tokencake.serving import server as srvmod
-from tokencake.serving.event_api import EVENTS_API_KEY_ENV
-from tokencake.serving.model import ModelError, ResolvedModel
+from tokencake.serving.model import ModelError
+from tokencake.serving.process_group import group_alive
 from tokencake.serving.server import Server, ServerError
-
-
-@pytest.fixture
-def cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU-only machine with native bf16 (no dtype override)."""
-    monkeypatch.setattr(srvmod, "cuda_available", lambda: False)
-    monkeypatch.setattr(srvmod, "vllm_installed", lambda: True)
-    monkeypatch.setattr(srvmod, "cpu_has_bf16", lambda cpuinfo=None: True)
-
-
-def _resolved(server: Server, source: str = "/models/m", name: str = "m") -> Server:
-    server.resolved = ResolvedModel(source, name)
-    return server
-
-
-def _flag(args: list[str], name: str) -> str:
-    return args[args.index(name) + 1]
-
-
-def test_extension_args(cpu: None) -> None:
-    s = _resolved(
-        Server(
-            port=9100,
-            num_gpu_blocks=40,
-            host_pool_blocks=64,
-            extra_args=["--max-num-seqs", "4"],
-        )
-    )
-    args = s.vllm_args()
-    assert _flag(args, "--model") == "/models/m"
-    assert _flag(args, "--served-model-name") == "m"
-    assert _flag(args, "--port") == "9100"
-    assert _flag(args, "--host") == "127.0.0.1"
-    assert _flag(args, "--max-model-len") == "4096"
-    assert _flag(args, "--num-gpu-blocks-override") == "40"
-    assert _flag(args, "--scheduling-policy") == "priority"
-    assert int(_flag(args, "--shutdown-timeout")) > 0
-    assert int(_flag(args, "--kv-cache-memory-bytes")) == int(srvmod.DEFAULT_CPU_KV_GIB * srvmod.GIB)
-    assert "--enforce-eager" in args and "--enable-prefix-caching" in args
-    assert args[-2:] == ["--max-num-seqs", "4"]
-    kv = json.loads(_flag(args, "--kv-transfer-config"))
-    assert kv["kv_connector"] == "TokenCakeConnector"
-    assert kv["kv_role"] == "kv_both"
-    assert kv["kv_connector_module_path"] == "tokencake.serving.vllm.connector"
-    extra = kv["kv_connector_extra_config"]
-    assert extra["events_port"] == 9100 + EVENTS_PORT_OFFSET
-    assert extra["events_host"] == "127.0.0.1"
-    assert "api_key" not in extra
-    assert extra["host_pool_blocks"] == 64
-    assert extra["offload"] is extra["prefetch"] is extra["demand_load"] is True
-    assert "host_pool_gib" not in extra
-    assert s.events_url == f"http://127.0.0.1:{9100 + EVENTS_PORT_OFFSET}"
-    assert s.base_url == "http://127.0.0.1:9100/v1"
-
-
-def test_baseline_args_have_no_extension(cpu: None) -> None:
-    s = _resolved(Server(port=9100, baseline=True, kv_cache_gib=0.5, eager=False))
-    args = s.vllm_args()
-    assert "--kv-transfer-config" not in args
-    assert "--scheduling-policy" not in args
-    assert "--enforce-eager" not in args
-    assert int(_flag(args, "--kv-cache-memory-bytes")) == srvmod.GIB // 2
-    assert s.events_url is None
-
-
-def test_connector_options(cpu: None) -> None:
-    s = Server(
-        port=9100,
-        events_port=9300,
-        host_pool_gib=2.5,
-        offload=False,
-        prefetch=False,
-        demand_load=False,
-        scheduler_cls="pkg.Sched",
-        connector_config={"extra_knob": 3},
-    )
-    _resolved(s)
-    extra = s.kv_transfer_config()["kv_connector_extra_config"]
-    assert extra["events_port"] == 9300 and extra["host_pool_gib"] == 2.5 and extra["extra_knob"] == 3
-    assert extra["offload"] is extra["prefetch"] is extra["demand_load"] is False
-    assert "api_key" not in extra
-    assert _flag(s.vllm_args(), "--scheduler-cls") == "pkg.Sched"
-    assert s.events_url == "http://127.0.0.1:9300"
-
-
-def test_the_spatial_scheduler_is_the_default_with_the_extension(cpu: None) -> None:
-    assert _flag(_resolved(Server(port=1)).vllm_args(), "--scheduler-cls") == srvmod.SPATIAL_SCHEDULER
-    assert "--scheduler-cls" not in _resolved(Server(port=1, scheduler_cls=None)).vllm_args()
-    assert "--scheduler-cls" not in _resolved(Server(port=1, baseline=True)).vllm_args()
-
-
-def test_cpu_without_native_bf16_serves_float32(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert "--dtype" not in _resolved(Server(port=1)).vllm_args()
-    monkeypatch.setattr(srvmod, "cpu_has_bf16", lambda cpuinfo=None: False)
-    args = _resolved(Server(port=1)).vllm_args()
-    assert _flag(args, "--dtype") == "float32"
-    assert int(_flag(args, "--kv-cache-memory-bytes")) == int(2 * srvmod.DEFAULT_CPU_KV_GIB * srvmod.GIB)
-    # An explicit --dtype wins, and appears once.
-    args = _resolved(Server(port=1, extra_args=["--dtype", "bfloat16"])).vllm_args()
-    assert args.count("--dtype") == 1 and _flag(args, "--dtype") == "bfloat16"
-
-
-def test_cpu_bf16_detection_reads_cpu_flags() -> None:
-    assert srvmod.cpu_has_bf16("processor : 0\nflags : fpu sse avx2 avx512f avx512_bf16\n")
-    assert srvmod.cpu_has_bf16("flags\t\t: fpu amx_bf16 amx_tile\n")
-    assert not srvmod.cpu_has_bf16("flags : fpu sse avx2 fma\n")
-    assert srvmod.cpu_has_bf16("no flags line at all")  # unknown: keep vLLM's default dtype
-
-
-def test_gpu_default_leaves_kv_size_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(srvmod, "cuda_available", lambda: True)
-    assert "--kv-cache-memory-bytes" not in _resolved(Server(port=1)).vllm_args()
-
-
-def test_explicit_kv_bytes_in_extra_args_win(cpu: None) -> None:
-    args = _resolved(Server(port=1, extra_args=["--kv-cache-memory-bytes", "123"])).vllm_args()
-    assert args.count("--kv-cache-memory-bytes") == 1
-
-
-def test_invalid_options() -> None:
-    with pytest.raises(ValueError, match="not both"):
-        Server(host_pool_blocks=1, host_pool_gib=1.0)
-    with pytest.raises(ValueError):
-        Server(num_gpu_blocks=0)
-    with pytest.raises(ValueError):
-        Server(kv_cache_gib=0)
-    with pytest.raises(ValueError, match="force-kills"):
-        Server(shutdown_timeout=0)
-
-
-def test_child_env_pins_thread_reservation(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
-    env = Server(env={"FOO": "bar"}).child_env()
-    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    assert "VLLM_CPU_KVCACHE_SPACE" not in env
-    assert env["FOO"] == "bar"
-    assert Server(baseline=True).child_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-
-
-def test_command_runs_vllm_under_the_watchdog(cpu: None) -> None:
-    cmd = _resolved(Server(port=5)).command()
-    assert cmd[1:3] == ["-m", "tokencake.serving._watchdog"]
-    assert _flag(cmd, "--parent") == str(os.getpid())
-    assert cmd[cmd.index("--") + 1 :][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    detached = _resolved(Server(port=5, watch_parent=False)).command()
-    assert _flag(detached, "--parent") == "0"
-
-
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["--device", "cuda"], ["--device cuda"]),
-        (["--device=cpu"], []),
-        (["--gpu-memory-utilization", "0.5"], ["--gpu-memory-utilization"]),
-        (["-tp", "2"], ["--tensor-parallel-size 2"]),
-        (["--tensor-parallel-size=1"], []),
-        (["--pipeline-parallel-size", "4"], ["--pipeline-parallel-size 4"]),
-        (["--max-num-seqs", "8"], []),
-    ],
-)
-def test_gpu_only_flags(args: list[str], expected: list[str]) -> None:
-    assert srvmod.gpu_only_flags(args) == expected
-
-
-def test_preflight_missing_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(srvmod, "vllm_installed", lambda: False)
-    with pytest.raises(ServerError, match="vLLM is not installed"):
-        Server().preflight()
-
-
-def test_preflight_gpu_flags_on_cpu(cpu: None) -> None:
-    with pytest.raises(ServerError, match="needs a CUDA GPU"):
-        Server(extra_args=["--gpu-memory-utilization", "0.9"]).preflight()
-
-
-def test_preflight_busy_ports(cpu: None) -> None:
-    import socket
-
-    # The main port under test must be free while its events port is busy: take an ephemeral port
-    # whose lower neighbour is free (another process may hold any fixed one).
-    for _ in range(100):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        busy = sock.getsockname()[1]
-        if busy - EVENTS_PORT_OFFSET > 1024 and srvmod.port_is_free("127.0.0.1", busy - EVENTS_PORT_OFFSET):
-            break
-        sock.close()
-    else:
-        pytest.skip("no ephemeral port with a free neighbour on this machine")
-    with sock:
-        with pytest.raises(ServerError, match=f"port {busy} on 127.0.0.1 is already in use"):
-            Server(port=busy).preflight()
-        with pytest.raises(ServerError, match=f"events port {busy}"):
-            Server(port=busy - EVENTS_PORT_OFFSET).preflight()
-        Server(port=busy - EVENTS_PORT_OFFSET, baseline=True).preflight()  # no events port needed
-
-
-def test_find_free_port_pair() -> None:
-    port = srvmod.find_free_port()
-    assert srvmod.port_is_free("127.0.0.1", port)
-    assert srvmod.port_is_free("127.0.0.1", port + EVENTS_PORT_OFFSET)
-
-
-def test_client_host() -> None:
-    assert Server(host="0.0.0.0", port=7).base_url == "http://127.0.0.1:7/v1"
-    assert Server(host="::", port=7).url == "http://[::1]:7"
 
 
 def test_parse_prometheus() -> None:
@@ -253,152 +44,6 @@ def test_parse_prometheus() -> None:
     assert m['vllm:info{version="a,b"}'] == 1.0
     assert m["process_open_fds"] == 12.0
     assert not any(k.endswith("_created") or "_created{" in k for k in m)
-
-
-def test_api_key_never_reaches_argv_or_the_logged_config(cpu: None) -> None:
-    secret = "sk-tokencake-0123456789"
-    for baseline in (False, True):
-        s = _resolved(Server(port=9100, api_key=secret, baseline=baseline))
-        cmd = s.command()
-        assert secret not in " ".join(cmd)  # /proc/PID/cmdline is readable by every local user
-        assert "--api-key" not in cmd
-        assert secret not in json.dumps(s.kv_transfer_config())  # vLLM logs it in "non-default args"
-        env = s.child_env()
-        assert env["VLLM_API_KEY"] == secret  # vLLM's own OpenAI auth reads it (--api-key wins if given)
-        assert env[EVENTS_API_KEY_ENV] == secret  # the connector's listener reads it in EngineCore
-    assert s.state() and secret not in json.dumps(s.state())
-
-
-def test_no_key_clears_inherited_key_variables(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A key left in the caller's environment must not make vLLM demand one this Server never sends."""
-    monkeypatch.setenv("VLLM_API_KEY", "stale")
-    monkeypatch.setenv(EVENTS_API_KEY_ENV, "stale")
-    env = Server(port=1, env={EVENTS_API_KEY_ENV: "also-stale"}).child_env()
-    assert "VLLM_API_KEY" not in env and EVENTS_API_KEY_ENV not in env
-
-
-def test_events_bind_to_loopback_unless_asked(cpu: None) -> None:
-    s = _resolved(Server(host="0.0.0.0", port=9100))
-    extra = s.kv_transfer_config()["kv_connector_extra_config"]
-    assert extra["events_host"] == "127.0.0.1"  # --host 0.0.0.0 alone does not expose events
-    assert s.events_url == f"http://127.0.0.1:{9100 + EVENTS_PORT_OFFSET}"
-    assert _flag(s.vllm_args(), "--host") == "0.0.0.0"
-    exposed = _resolved(Server(host="0.0.0.0", port=9100, events_host="0.0.0.0", api_key="k"))
-    assert exposed.kv_transfer_config()["kv_connector_extra_config"]["events_host"] == "0.0.0.0"
-
-
-def test_exposed_events_need_a_key(cpu: None) -> None:
-    with pytest.raises(ServerError, match=r"--events-host 0\.0\.0\.0 .*--api-key"):
-        Server(events_host="0.0.0.0").preflight()
-    Server(events_host="0.0.0.0", api_key="k").preflight()
-    Server(events_host="::1").preflight()  # loopback: no key needed
-    Server(events_host="0.0.0.0", baseline=True).preflight()  # no listener at all
-
-
-# vLLM 0.32 log of `tokencake serve --num-gpu-blocks 24` (messages from vllm/v1/core/kv_cache_utils.py
-# and vllm/v1/engine/utils.py; layout from vllm/logging_utils/formatter.py: continuation lines of a
-# multi-line record are joined with "\r\n" + the prefix).
-_E = "(EngineCore pid=4242) ERROR 12-01 10:00:03 [core.py:1510] "
-KV_CAUSE = (
-    "ValueError: To serve at least one request with the model's max seq len (4096), (0.09 GiB KV cache is "
-    "needed, which is larger than the available KV cache memory (0.05 GiB). Based on the available memory, "
-    "the estimated maximum model length is 2944. Try increasing `gpu_memory_utilization` (which also "
-    "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. "
-    "See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
-)
-KV_LOG = (
-    "(APIServer pid=4200) INFO 12-01 10:00:00 [utils.py:286] non-default args: {'model': '/m'}\n"
-    "(EngineCore pid=4242) INFO 12-01 10:00:02 [kv_cache_utils.py:2619] Overriding num_gpu_blocks=910 "
-    "with num_gpu_blocks_override=24\n"
-    + _E
-    + "EngineCore failed to start.\r\n"
-    + _E
-    + "Traceback (most recent call last):\r\n"
-    + _E
-    + '  File "/v/vllm/v1/engine/core.py", line 1490, in run_engine_core\r\n'
-    + _E
-    + "    engine_core = EngineCoreProc(*args, engine_index=dp_rank, **kwargs)\r\n"
-    + _E
-    + '  File "/v/vllm/v1/core/kv_cache_utils.py", line 1029, in _check_enough_kv_cache_memory\r\n'
-    + _E
-    + "    raise ValueError(\r\n"
-    + _E
-    + KV_CAUSE
-    + "\n"
-    "Process EngineCore:\n"
-    "Traceback (most recent call last):\n"
-    '  File "/usr/lib/python3.11/multiprocessing/process.py", line 314, in _bootstrap\n'
-    "    self.run()\n"
-    '  File "/v/vllm/v1/core/kv_cache_utils.py", line 1029, in _check_enough_kv_cache_memory\n'
-    "    raise ValueError(\n" + KV_CAUSE + "\n"
-    "(APIServer pid=4200) Traceback (most recent call last):\n"
-    '(APIServer pid=4200)   File "<frozen runpy>", line 198, in _run_module_as_main\n'
-    '(APIServer pid=4200)   File "/v/vllm/v1/engine/utils.py", line 1432, in wait_for_engine_startup\n'
-    "(APIServer pid=4200)     raise RuntimeError(\n"
-    "(APIServer pid=4200) RuntimeError: Engine core initialization failed. See root cause above. "
-    "Failed core proc(s): {'EngineCore': 1}\n"
-    "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: There appear to be 1 "
-    "leaked shared_memory objects to clean up at shutdown\n"
-    "  warnings.warn('resource_tracker: There appear to be %d '\n"
-)
-
-
-def test_startup_cause_is_the_engine_error_not_the_wrapper() -> None:
-    assert srvmod.startup_cause(KV_LOG) == KV_CAUSE[:400] + "…"
-    msg = srvmod.startup_error_message(1, KV_LOG)
-    assert "\n" not in msg
-    assert msg.startswith(
-        "vLLM exited with code 1 while starting: ValueError: To serve at least one request with the "
-        "model's max seq len (4096)"
-    )
-    assert "raise RuntimeError(" not in msg and "Engine core initialization failed" not in msg
-    assert "gpu_memory_utilization" not in msg  # vLLM's engine-argument advice is replaced by ours
-    assert msg.endswith(
-        "— fix: the KV cache cannot hold one request of --max-model-len: lower --max-model-len "
-        "(about 2944 fits) or give more KV with --num-gpu-blocks / --kv-cache-gib"
-    )
-
-
-@pytest.mark.parametrize(
-    ("log", "cause", "hint"),
-    [
-        (
-            "INFO 12-01 10:00:00 [x.py:1] starting\nTraceback (most recent call last):\n"
-            '  File "a.py", line 1, in <module>\n    raise ValueError(\n'
-            "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`\n",
-            "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`",
-            "lower --max-model-len",
-        ),
-        (
-            "(APIServer pid=1) ERROR 12-01 10:00:00 [api_server.py:9] OSError: [Errno 98] Address "
-            "already in use\n",
-            "OSError: [Errno 98] Address already in use",
-            "pick another --port",
-        ),
-        (
-            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
-            "  Value error, Invalid repository ID or local directory specified: '/nope'. "
-            "[type=value_error, input_value=ArgsKwargs((), {}), input_type=ArgsKwargs]\n",
-            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig: Value error, "
-            "Invalid repository ID or local directory specified: '/nope'.",
-            "",
-        ),
-        (
-            "(EngineCore pid=3) ERROR 12-01 10:00:00 [core.py:9] worker died unexpectedly\n"
-            "(APIServer pid=2) RuntimeError: Engine core initialization failed. See root cause above.\n",
-            "worker died unexpectedly",
-            "",
-        ),
-        ("just some output\n    raise RuntimeError(\n", "", ""),
-    ],
-)
-def test_startup_cause_and_hint(log: str, cause: str, hint: str) -> None:
-    assert srvmod.startup_cause(log) == cause
-    assert hint in srvmod.startup_hint(cause)
-    if not cause:
-        assert srvmod.startup_error_message(1, log, Path("/l.log")) == (
-            "vLLM exited with code 1 while starting (log: /l.log)"
-        )
 
 
 def test_stats_of_baseline_is_an_error() -> None:
@@ -488,11 +133,11 @@ def test_lifecycle_and_no_orphans(cpu: None, fake_python: str, model_dir: Path, 
         assert srv.model == "tiny-model"
         assert srv.startup_s is not None
         pgid = srv.pgid
-        assert pgid is not None and srvmod.group_alive(pgid)
+        assert pgid is not None and group_alive(pgid)
         assert srv.metrics()["vllm:prompt_tokens_total"] == 3.0
         assert json.loads(json.dumps(srv.state()))["port"] == srv.port
     assert not srv.running
-    assert not srvmod.group_alive(pgid)  # the SIGTERM-ignoring grandchild was killed too
+    assert not group_alive(pgid)  # the SIGTERM-ignoring grandchild was killed too
     assert ticks, "progress callback never called"
     srv.stop()  # idempotent
 
@@ -506,10 +151,10 @@ def test_early_exit_shows_the_cause(cpu: None, fake_python: str, model_dir: Path
 
 
 def test_early_exit_names_the_kv_cause_and_fix(
-    cpu: None, fake_python: str, model_dir: Path, tmp_path: Path
+    cpu: None, fake_python: str, model_dir: Path, tmp_path: Path, kv_log: tuple[str, str]
 ) -> None:
     log = tmp_path / "vllm-output.txt"
-    log.write_text(KV_LOG + "\n".join(f"(APIServer pid=4200) INFO shutdown line {i}" for i in range(40)))
+    log.write_text(kv_log[0] + "\n".join(f"(APIServer pid=4200) INFO shutdown line {i}" for i in range(40)))
     srv = _fake_server(fake_python, model_dir, tmp_path, "log-crash")
     srv.env["FAKE_LOG"] = str(log)
     with pytest.raises(ServerError) as err:
@@ -543,12 +188,13 @@ def test_owner_killed_by_sigkill_leaves_nothing(
     owner = textwrap.dedent(
         f"""
         import sys, time
-        from tokencake.serving import server as m
-        m.cuda_available = lambda: False
-        m.vllm_installed = lambda: True
-        s = m.Server({str(model_dir)!r}, python={fake_python!r}, env={{"FAKE_MODE": "ok"}},
-                     log_file={str(tmp_path / "owner.log")!r}, shutdown_timeout=1,
-                     kill_after=1.0)
+        from tokencake.serving import machine
+        from tokencake.serving.server import Server
+        machine.cuda_available = lambda: False
+        machine.vllm_installed = lambda: True
+        s = Server({str(model_dir)!r}, python={fake_python!r}, env={{"FAKE_MODE": "ok"}},
+                   log_file={str(tmp_path / "owner.log")!r}, shutdown_timeout=1,
+                   kill_after=1.0)
         s.start()
         print(s.pgid, flush=True)
         time.sleep(3600)
@@ -558,51 +204,34 @@ def test_owner_killed_by_sigkill_leaves_nothing(
     try:
         assert proc.stdout is not None
         pgid = int(proc.stdout.readline())
-        assert srvmod.group_alive(pgid)
+        assert group_alive(pgid)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 30
-        while srvmod.group_alive(pgid) and time.monotonic() < deadline:
+        while group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not srvmod.group_alive(pgid), "vLLM stand-in survived its owner"
+        assert not group_alive(pgid), "vLLM stand-in survived its owner"
     finally:
         if proc.poll() is None:
             proc.kill()
 
 
-def test_tool_calling_flags_for_the_bundled_model_and_others(cpu: None) -> None:
-    """``tools=`` with tool_choice auto needs vLLM's parser flags (else HTTP 400 for every agent SDK)."""
-    bundled = Server(port=1)
-    bundled.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
-    args = bundled.vllm_args()
-    assert "--enable-auto-tool-choice" in args and _flag(args, "--tool-call-parser") == "hermes"
-    assert _flag(args, "--chat-template").endswith("smollm2_tools.jinja")
-    for baseline in (False, True):  # stock and extension servers speak the same API
-        assert (
-            "--tool-call-parser"
-            in _resolved(Server(port=1, baseline=baseline, tool_call_parser="pythonic")).vllm_args()
-        )
-    assert "--enable-auto-tool-choice" not in _resolved(Server(port=1)).vllm_args()  # unknown family
-    off = Server(port=1, tool_call_parser="none")
-    off.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
-    assert "--enable-auto-tool-choice" not in off.vllm_args()
-
-
-def test_policy_reaches_the_connector_and_a_bad_one_is_refused() -> None:
-    s = Server(policy="continuum", events_port=9301)
-    _resolved(s)
-    assert s.kv_transfer_config()["kv_connector_extra_config"]["policy"] == "continuum"
-    default = Server(events_port=9302)
-    _resolved(default)
-    assert "policy" not in default.kv_transfer_config()["kv_connector_extra_config"]
-    with pytest.raises(ValueError, match="unknown KV policy 'fifo'"):
-        Server(policy="fifo")
-
-
-def test_data_parallel_is_refused_with_the_extension() -> None:
-    """One events listener and one stall book per server: DP engines would each miss the events."""
-    for flags in (["--data-parallel-size", "2"], ["-dp=4"]):
-        with pytest.raises(ServerError, match="replicas behind a router"):
-            Server(extra_args=flags).preflight()
-    Server(extra_args=["--data-parallel-size", "1"]).preflight()
-    Server(baseline=True, extra_args=["--data-parallel-size", "2"]).preflight()  # stock vLLM: its call
+def test_the_public_names_of_the_module_resolve() -> None:
+    """``from tokencake.serving.server import ...`` is public API: its names stay put."""
+    assert sorted(srvmod.__all__) == [
+        "CONNECTOR_CLASS",
+        "CONNECTOR_MODULE",
+        "ModelError",
+        "SPATIAL_SCHEDULER",
+        "Server",
+        "ServerError",
+        "find_free_port",
+        "gpu_only_flags",
+        "parse_prometheus",
+        "port_is_free",
+        "startup_cause",
+        "startup_error_message",
+        "startup_hint",
+        "stop_process_group",
+    ]
+    assert all(getattr(srvmod, name, None) is not None for name in srvmod.__all__)

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from tokencake.serving import server as srvmod
+from tokencake.serving import machine
 from tokencake.serving.event_api import EVENTS_API_KEY_ENV
 from tokencake.serving.model import ResolvedModel
 from tokencake.serving.server import Server
@@ -102,8 +102,8 @@ def test_key_comes_from_the_environment_first() -> None:
 
 
 def test_server_hands_the_key_to_the_connector_outside_argv(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(srvmod, "cuda_available", lambda: False)
-    monkeypatch.setattr(srvmod, "cpu_has_bf16", lambda cpuinfo=None: True)
+    monkeypatch.setattr(machine, "cuda_available", lambda: False)
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda cpuinfo=None: True)
     server = Server(port=9100, api_key="sk-roundtrip-42")
     server.resolved = ResolvedModel("/m", "m")
     argv = server.command()

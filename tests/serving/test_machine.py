@@ -1,0 +1,19 @@
+"""Machine probes: native bf16 from the CPU flags, and free port pairs."""
+
+from __future__ import annotations
+
+from tokencake.events import EVENTS_PORT_OFFSET
+from tokencake.serving.machine import cpu_has_bf16, find_free_port, port_is_free
+
+
+def test_cpu_bf16_detection_reads_cpu_flags() -> None:
+    assert cpu_has_bf16("processor : 0\nflags : fpu sse avx2 avx512f avx512_bf16\n")
+    assert cpu_has_bf16("flags\t\t: fpu amx_bf16 amx_tile\n")
+    assert not cpu_has_bf16("flags : fpu sse avx2 fma\n")
+    assert cpu_has_bf16("no flags line at all")  # unknown: keep vLLM's default dtype
+
+
+def test_find_free_port_pair() -> None:
+    port = find_free_port()
+    assert port_is_free("127.0.0.1", port)
+    assert port_is_free("127.0.0.1", port + EVENTS_PORT_OFFSET)
