@@ -134,3 +134,11 @@ def test_the_simulator_models_exactly_these_systems() -> None:
 def test_what_the_simulator_models_for_each_system(name: str) -> None:
     spec = SIM_SYSTEMS[name]
     assert (spec.policy, spec.options, spec.kv, spec.engine_scheduling()) == SIM[name]
+
+
+def test_both_tools_read_the_one_registry() -> None:
+    from tokencake.bench.systems import ALL_SYSTEMS
+
+    assert set(ALL_SYSTEMS) == set(BENCH) | set(SIM)
+    assert all(SYSTEMS[name] is ALL_SYSTEMS[name] for name in BENCH)
+    assert all(SIM_SYSTEMS[name] is ALL_SYSTEMS[name] for name in SIM)
