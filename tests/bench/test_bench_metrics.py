@@ -12,12 +12,12 @@ from tokencake.bench.metrics import (
     merge_metrics,
     merge_stats,
     metric_value,
-    parse_prometheus,
     percentile,
     server_summary,
     stats_delta,
     summarize,
 )
+from tokencake.serving.prometheus import parse_metrics
 
 
 def test_percentile_linear_interpolation():
@@ -68,15 +68,8 @@ vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 6.0
 """
 
 
-def test_parse_prometheus_labels_and_values():
-    m = parse_prometheus(TEXT_BEFORE + 'weird{a="x \\"q\\""} 1e3\nbroken line\n')
-    assert m["vllm:prompt_tokens_total"] == [({"engine": "0", "model_name": "m"}, 100.0)]
-    assert m["weird"] == [({"a": 'x "q"'}, 1000.0)]
-    assert "broken" not in m
-
-
 def test_server_summary_is_a_delta():
-    s = server_summary(parse_prometheus(TEXT_BEFORE), parse_prometheus(TEXT_AFTER))
+    s = server_summary(parse_metrics(TEXT_BEFORE), parse_metrics(TEXT_AFTER))
     assert s["prompt_tokens"] == 1000
     assert s["computed_prompt_tokens"] == 300
     assert s["prompt_tokens_by_source"] == {
@@ -331,10 +324,8 @@ def test_extension_summary_next_turn_share_and_readiness():
 
 
 def test_replicas_metrics_add_up_and_kv_usage_is_their_mean():
-    a = parse_prometheus(
-        'vllm:prompt_tokens_total{engine="0"} 10\nvllm:kv_cache_usage_perc{engine="0"} 0.2\n'
-    )
-    b = parse_prometheus('vllm:prompt_tokens_total{engine="0"} 5\nvllm:kv_cache_usage_perc{engine="0"} 0.6\n')
+    a = parse_metrics('vllm:prompt_tokens_total{engine="0"} 10\nvllm:kv_cache_usage_perc{engine="0"} 0.2\n')
+    b = parse_metrics('vllm:prompt_tokens_total{engine="0"} 5\nvllm:kv_cache_usage_perc{engine="0"} 0.6\n')
     merged = merge_metrics([a, b])
     assert metric_value(merged, "vllm:prompt_tokens_total") == 15
     assert metric_value(merged, "vllm:prompt_tokens_total", replica="1") == 5

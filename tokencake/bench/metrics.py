@@ -18,11 +18,12 @@ output tokens for every call, or the latency comparison is meaningless.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokencake.serving.prometheus import Metrics, parse_metrics
 
 # ---------------------------------------------------------------------------------------------------
 # Plain statistics
@@ -64,35 +65,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Prometheus text format
-
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-#: name -> list of (labels, value)
-Metrics = dict[str, list[tuple[dict[str, str], float]]]
-
-
-def parse_prometheus(text: str) -> Metrics:
-    """Parse Prometheus exposition text into ``{name: [(labels, value), ...]}`` (comments skipped)."""
-    out: Metrics = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, _, labels_text, value_text = m.group(1), m.group(2), m.group(3), m.group(4)
-        try:
-            value = float(value_text)
-        except ValueError:
-            continue
-        labels = {
-            k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(labels_text or "")
-        }
-        out.setdefault(name, []).append((labels, value))
-    return out
+# vLLM's /metrics (parsed by tokencake.serving.prometheus)
 
 
 #: Gauges that are a share of one server's capacity: averaged, not summed, over replicas.
@@ -251,7 +224,7 @@ class KVSampler:
         except Exception:  # a slow or restarting server must not kill the benchmark
             self.errors += 1
             return
-        m = text if isinstance(text, dict) else parse_prometheus(text)
+        m = text if isinstance(text, dict) else parse_metrics(text)
         self.samples.append(
             {
                 "t": self.clock(),

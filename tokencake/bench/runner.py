@@ -31,13 +31,11 @@ from tokencake.bench.calls import CallRecorder
 from tokencake.bench.intervals import mean_ci, paired_ratio_bootstrap
 from tokencake.bench.metrics import (
     KVSampler,
-    Metrics,
     client_summary,
     equal_work,
     extension_summary,
     merge_metrics,
     merge_stats,
-    parse_prometheus,
     ratio,
     server_summary,
     stats_delta,
@@ -46,6 +44,7 @@ from tokencake.bench.metrics import (
 from tokencake.bench.systems import ServerConfig, SystemSpec, server_kwargs
 from tokencake.bench.workload import Workload
 from tokencake.events import STATS_PATH
+from tokencake.serving.prometheus import Metrics, parse_metrics
 
 SCHEMA_VERSION = 1
 
@@ -218,7 +217,7 @@ async def replay(
             for root in roots:
                 response = await probe.get(f"{root}/metrics")
                 response.raise_for_status()
-                parts.append(parse_prometheus(response.text))
+                parts.append(parse_metrics(response.text))
             return merge_metrics(parts)
 
         async def fetch_stats() -> dict[str, Any] | None:
