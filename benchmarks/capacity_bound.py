@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokencake.bench.runner import versions
+from tokencake.bench.environment import versions
 from tokencake.sim.presets import from_bench_point
 from tokencake.sim.profiles import HardwareProfile, get_profile
 from tokencake.sim.run import SYSTEMS, simulate

@@ -41,8 +41,9 @@ import anyio
 import psutil
 
 from tokencake.bench import presets
+from tokencake.bench.environment import loadavg, machine, versions
 from tokencake.bench.intervals import mean_ci
-from tokencake.bench.runner import _loadavg, machine, replay, versions
+from tokencake.bench.replay import replay
 from tokencake.bench.systems import resolve_systems, server_kwargs
 
 DEFAULT_SYSTEMS = ("ideal", "ideal-priority", "tokencake-roomy")
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from tokencake.serving import Server
 
-    started, t0, ver, load0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.time(), versions(), _loadavg()
+    started, t0, ver, load0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.time(), versions(), loadavg()
     trials: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         servers = {}
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": started,
         "wall_s": round(time.time() - t0, 1),
         "versions": ver,
-        "machine": {**machine(), "loadavg_start": load0, "loadavg_end": _loadavg()},
+        "machine": {**machine(), "loadavg_start": load0, "loadavg_end": loadavg()},
         "config": {
             "preset": "ci",
             "systems": [s.to_dict() for s in specs],

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tokencake.bench.environment import versions
 from tokencake.bench.intervals import mean_ci
-from tokencake.bench.runner import versions
 from tokencake.serving.vllm._copy import populated_host_buffer
 
 

@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    from tokencake.bench.runner import versions
+    from tokencake.bench.environment import versions
 
     env = versions()
     result: dict[str, Any] = {

@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tokencake.bench.runner import versions
+from tokencake.bench.environment import versions
 from tokencake.sim.presets import from_bench_point
 from tokencake.sim.profiles import get_profile
 from tokencake.sim.run import simulate

@@ -1,6 +1,6 @@
 """Recompute a stored ``results.json``'s comparisons and aggregate with the current code's pairs.
 
-``tokencake bench`` computes the ratio of every pair in ``tokencake.bench.runner.HEADLINE_PAIRS``
+``tokencake bench`` computes the ratio of every pair in ``tokencake.bench.compare.HEADLINE_PAIRS``
 that a run has both systems of. A pair added after a run was made (a new ablation's system against
 ``tokencake``) is absent from its stored file; this recomputes the comparisons and the aggregate
 (the per-round intervals and the paired bootstrap, whose seeds are fixed) from the run's own
@@ -16,7 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-from tokencake.bench.runner import reaggregate, versions
+from tokencake.bench.environment import versions
+from tokencake.bench.rounds import reaggregate
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ Runs stored before the paired bootstrap resampled apps (then each app's rounds) 
 from resampling (app, round) pairs as if each were an independent sample; an app replays the same
 workload every round, so that understates the spread. This recomputes each stored run's paired
 ratios from its own per-app E2E (``points``) with the current
-:func:`tokencake.bench.runner.paired_intervals` and writes them beside the stored ones; the
+:func:`tokencake.bench.rounds.paired_intervals` and writes them beside the stored ones; the
 stored files are left as measured.
 
     python benchmarks/rebootstrap.py docs/bench/stress-spatial-now-results.json ... \\
@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokencake.bench.runner import paired_intervals
+from tokencake.bench.rounds import paired_intervals
 
 
 def rebootstrap(results: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tokencake.bench.runner import versions
+from tokencake.bench.environment import versions
 from tokencake.sim.presets import from_bench_point, generate
 from tokencake.sim.profiles import get_profile
 from tokencake.sim.run import SYSTEMS, SimResult, simulate

@@ -77,7 +77,7 @@ class FakeVLLM:
         )
 
     def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        from tokencake.bench.runner import WARMUP_PROMPT
+        from tokencake.bench.replay import WARMUP_PROMPT
 
         if body["messages"][-1].get("content") == WARMUP_PROMPT:
             self.warmups += 1  # the runner's discarded warm-up request: not part of the workload
@@ -224,7 +224,7 @@ def make_round() -> Any:
     ``make_round(2, baseline=20.0, tokencake=(17.0, {"ready_rate": 0.5}), ideal=15.0)``: a number is a
     stock system's E2E, a (number, summary) pair adds the extension summary.
     """
-    from tokencake.bench.runner import compare
+    from tokencake.bench.compare import compare
 
     def build(rep: int, label: str = "p", **systems: Any) -> dict[str, Any]:
         per_system = {}
@@ -240,3 +240,32 @@ def make_round() -> Any:
         }
 
     return build
+
+
+@pytest.fixture
+def pooled_results(make_round: Any) -> dict[str, Any]:
+    """A stored three-round run of one point (``p``) with its aggregate, as the reports read it."""
+    from tokencake.bench.rounds import aggregate
+
+    ext = [{"next_turn_recomputed_share": s, "ready_rate": 0.5} for s in (0.2, 0.3, 0.4)]
+    points = [
+        make_round(i + 1, baseline=20.0, tokencake=(tc_, ext[i]), ideal=15.0, tokencake_roomy=15.3 + 0.3 * i)
+        for i, tc_ in enumerate((16.0, 18.0, 17.0))
+    ]
+    for p in points:
+        p["equal_work"] = {"passed": True, "calls_compared": 4}
+    return {
+        "preset": "stress",
+        "valid": True,
+        "wall_s": 1.0,
+        "warnings": [],
+        "points": points,
+        "system_orders": [
+            {"round": i + 1, "point": "p", "order": o}
+            for i, o in enumerate(
+                [["ideal", "baseline", "tokencake", "tokencake-roomy"]] * 2
+                + [["tokencake", "ideal", "tokencake-roomy", "baseline"]]
+            )
+        ],
+        "aggregate": aggregate(points),
+    }

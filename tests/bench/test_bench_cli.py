@@ -117,7 +117,7 @@ def test_tokencake_loads_the_spatial_scheduler_and_spatial_off_does_not():
         ablation = resolve_systems([name])[0]
         kw = server_kwargs(ablation, ServerConfig(), Server)
         assert kw["scheduler_cls"] == SPATIAL_SCHEDULER, name
-        assert ablation.connector == {key: value} and ablation.to_dict()["connector"] == {key: value}
+        assert ablation.options == {key: value} and ablation.to_dict()["connector"] == {key: value}
 
     class NoScheduler:
         def __init__(self, model=None, *, baseline=False, num_gpu_blocks=None, policy=None):

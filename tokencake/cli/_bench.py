@@ -207,7 +207,7 @@ class _RichProgress:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tokencake.bench import presets, report
+    from tokencake.bench import presets, report, terminal
 
     console = Console()
     if args.report is not None:
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             results = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise CLIError(f"cannot read {path}: {exc}") from None
-        report.render(results, console)
+        terminal.render(results, console)
         if not args.no_plots:
             report.write_all(results, path.parent, plots=True)
         return 0 if results.get("valid") else 1
@@ -256,6 +256,6 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:  # a configuration the launcher cannot express
             raise CLIError(str(exc)) from None
     written = report.write_all(results, out, plots=not args.no_plots)
-    report.render(results, console)
+    terminal.render(results, console)
     console.print("wrote " + ", ".join(str(p) for p in written))
     return 0 if results["valid"] else 1

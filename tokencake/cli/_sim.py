@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         }
         points.append(point)
         _print_point(console, profile.name, point)
-    from tokencake.bench.runner import versions
+    from tokencake.bench.environment import versions
 
     env = versions()
     doc = {

@@ -16,11 +16,11 @@ from tokencake.serving.model import (
     resolve_model,
     tokencake_home,
 )
+from tokencake.serving.prometheus import parse_prometheus
 from tokencake.serving.server import (
     Server,
     ServerError,
     find_free_port,
-    parse_prometheus,
     port_is_free,
     stop_process_group,
 )

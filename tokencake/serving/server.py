@@ -26,6 +26,7 @@ from tokencake.events import HEALTH_PATH, STATS_PATH
 from tokencake.serving.machine import find_free_port, port_is_free
 from tokencake.serving.model import ModelError, resolve_model, tokencake_home
 from tokencake.serving.process_group import stop_process_group
+from tokencake.serving.prometheus import parse_prometheus
 from tokencake.serving.server_config import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
@@ -42,57 +43,6 @@ from tokencake.serving.startup_log import (
     startup_error_message,
     startup_hint,
 )
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Parse Prometheus text into ``{name or name{labels}: value}``.
-
-    The ``engine`` and ``model_name`` labels are dropped (values summed across them) so callers can
-    write ``m["vllm:prefix_cache_hits_total"]`` or
-    ``m['vllm:prompt_tokens_by_source_total{source="local_cache_hit"}']``.
-    """
-    out: dict[str, float] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            head, value_text = line.rsplit(" ", 1)
-            value = float(value_text)
-        except ValueError:
-            continue
-        head = head.strip()
-        name, labels = head, ""
-        if "{" in head and head.endswith("}"):
-            name, label_text = head[:-1].split("{", 1)
-            kept = [
-                part
-                for part in _split_labels(label_text)
-                if part.split("=", 1)[0] not in ("engine", "model_name")
-            ]
-            labels = "{" + ",".join(kept) + "}" if kept else ""
-        if name.endswith("_created"):  # creation timestamps, not measurements
-            continue
-        key = name + labels
-        out[key] = out.get(key, 0.0) + value
-    return out
-
-
-def _split_labels(text: str) -> list[str]:
-    parts: list[str] = []
-    current: list[str] = []
-    quoted = False
-    for ch in text:
-        if ch == '"':
-            quoted = not quoted
-        if ch == "," and not quoted:
-            parts.append("".join(current).strip())
-            current = []
-        else:
-            current.append(ch)
-    if current and "".join(current).strip():
-        parts.append("".join(current).strip())
-    return parts
 
 
 class Server(ServerConfig):
@@ -343,7 +293,6 @@ __all__ = [
     "ServerError",
     "find_free_port",
     "gpu_only_flags",
-    "parse_prometheus",
     "port_is_free",
     "startup_cause",
     "startup_error_message",

@@ -6,9 +6,10 @@ steps run in order: an LLM call is submitted to the engine and the node waits fo
 ``stall_begin``, lasts ``actual_s`` and sends ``stall_end``; a delay just passes. The engine steps
 while it has work; when idle, time jumps to the next agent event or extension wake-up.
 
-``SYSTEMS`` are the bench's systems: ``baseline`` (stock vLLM), ``ideal`` (stock vLLM with KV for
-everything), and every KV policy in the extension (``tokencake``, ``offload-all``, ``continuum``,
-``infercept``, ``stock-connector``).
+``SYSTEMS`` are the bench's systems the simulator models (``tokencake.bench.systems``): ``baseline``
+(stock vLLM), ``ideal`` (stock vLLM with KV for everything), every KV policy in the extension
+(``tokencake``, ``offload-all``, ``continuum``, ``infercept``, ``stock-connector``) and the ablations
+of its Options.
 """
 
 from __future__ import annotations
@@ -21,81 +22,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokencake.bench.systems import ALL_SYSTEMS, SystemSpec
 from tokencake.serving.options import Options
 from tokencake.sim.engine import Engine, Request, Session
 from tokencake.sim.extension import KVExtension
 from tokencake.sim.profiles import HardwareProfile
 from tokencake.sim.trace import AppTrace, DelayStep, LLMStep, NodeTrace, ToolStep, Trace
 
-__all__ = ["SYSTEMS", "SimResult", "SystemSpec", "simulate"]
+__all__ = ["SYSTEMS", "SimResult", "simulate"]
 
 #: Shortest idle wait: the granularity at which an idle engine looks at the extension's timers.
 IDLE_TICK_S = 0.01
 
 
-@dataclass(frozen=True)
-class SystemSpec:
-    name: str
-    #: None = stock vLLM (no extension); else the extension's policy.
-    policy: str | None
-    #: "device" = the profile's (or the caller's) device blocks; "ideal" = enough for everything.
-    kv: str = "device"
-    options: dict[str, Any] = field(default_factory=dict)
-    #: The engine's admission order (``engine.SCHEDULINGS``); None = as the bench's server runs:
-    #: vLLM's priority scheduler with the extension, FCFS without.
-    scheduling: str | None = None
-
-    def engine_scheduling(self) -> str:
-        if self.scheduling is not None:
-            return self.scheduling
-        return "priority" if self.policy is not None else "fcfs"
-
-
-SYSTEMS: dict[str, SystemSpec] = {
-    "baseline": SystemSpec("baseline", None),
-    "ideal": SystemSpec("ideal", None, kv="ideal"),
-    # As the bench's: tokencake with the spatial scheduler (its admission order; docs/simulation.md §2),
-    # spatial-off and the other policies with vLLM's priority scheduler.
-    "tokencake": SystemSpec("tokencake", "tokencake", scheduling="spatial"),
-    "spatial-off": SystemSpec("spatial-off", "tokencake"),
-    # The spatial ablations, as the bench's: the admission order only; order + critical-last
-    # eviction without the reserve.
-    "spatial-order": SystemSpec(
-        "spatial-order", "tokencake", options={"critical_last": False}, scheduling="spatial"
-    ),
-    "reserve-off": SystemSpec(
-        "reserve-off", "tokencake", options={"critical_reserve_frac": 0.0}, scheduling="spatial"
-    ),
-    "spare-late": SystemSpec(
-        "spare-late", "tokencake", options={"critical_spare_late": True}, scheduling="spatial"
-    ),
-    # The critical reserve's wait counted from arrival (the rule before the queue's head).
-    "reserve-arrival": SystemSpec(
-        "reserve-arrival",
-        "tokencake",
-        options={"critical_reserve_wait_from": "arrival"},
-        scheduling="spatial",
-    ),
-    # The spatial score's weights before 2026-12-05 (apps that started seconds apart side by side).
-    "apps-side-by-side": SystemSpec(
-        "apps-side-by-side", "tokencake", options={"admission": "apps-side-by-side"}, scheduling="spatial"
-    ),
-    "static-slack": SystemSpec(
-        "static-slack", "tokencake", options={"admission": "static-slack"}, scheduling="spatial"
-    ),
-    "offload-all": SystemSpec("offload-all", "offload-all"),
-    "continuum": SystemSpec("continuum", "continuum"),
-    "infercept": SystemSpec("infercept", "infercept"),
-    "stock-connector": SystemSpec("stock-connector", "stock"),
-    "hold-off": SystemSpec("hold-off", "tokencake", options={"hold_prefetched": False}),
-    # Room kept ahead of returns forced on / off (``Options.return_reserve``; "auto" by default).
-    "return-reserve-off": SystemSpec(
-        "return-reserve-off", "tokencake", options={"return_reserve": "off"}, scheduling="spatial"
-    ),
-    "return-reserve": SystemSpec(
-        "return-reserve", "tokencake", options={"return_reserve": "on"}, scheduling="spatial"
-    ),
-}
+#: The systems the simulator offers: the registry's (``tokencake.bench.systems``) ``simulated`` ones.
+SYSTEMS: dict[str, SystemSpec] = {name: spec for name, spec in ALL_SYSTEMS.items() if spec.simulated}
 
 
 @dataclass
