@@ -220,7 +220,7 @@ def test_hooks_survive_garbage_metadata() -> None:
 def test_a_copy_that_failed_half_way_is_reported_when_its_queued_part_has_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tokencake.serving.vllm._copy import CopySubmitError
+    from tokencake.serving.vllm._copy_backend import CopySubmitError
 
     w, _ = _quiet_worker()
     partial = FakeHandle()
@@ -376,7 +376,7 @@ def test_a_held_back_copy_whose_submit_fails_half_way_waits_for_the_queued_part(
 ) -> None:
     """Fault injection holds a copy back; when it is submitted, part of it is queued before the
     submit fails. The job must not be reported (its device blocks freed) until that part ran."""
-    from tokencake.serving.vllm._copy import CopySubmitError
+    from tokencake.serving.vllm._copy_backend import CopySubmitError
 
     w, _, clock = _stalling_worker(1.0)
     partial = FakeHandle()

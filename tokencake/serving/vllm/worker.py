@@ -52,7 +52,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tokencake.serving.vllm._copy import BlockCopier, CopySubmitError, GeometryError, HostMemoryError
+from tokencake.serving.vllm._copy import BlockCopier
+from tokencake.serving.vllm._copy_backend import CopySubmitError
+from tokencake.serving.vllm._host_memory import HostMemoryError
+from tokencake.serving.vllm._kv_layout import GeometryError
 from tokencake.serving.vllm.metadata import (
     DEFAULT_JOB_TIMEOUT_S,
     CopyJob,
@@ -160,7 +163,7 @@ class InjectedFault(RuntimeError):
 
 
 class _Handle(Protocol):
-    """What the worker needs of a submitted copy (``_copy.CopyHandle`` or a stalled one)."""
+    """What the worker needs of a submitted copy (``CopyHandle`` or a stalled one)."""
 
     nbytes: int
 
