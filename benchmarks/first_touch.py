@@ -2,7 +2,7 @@
 
 The host pool is written by offloads (device → host). On a virtual machine whose memory the
 hypervisor backs lazily, the first write to each page is a fault the host serves, so offloads into
-a fresh pool run far below memory bandwidth; ``_copy.populated_host_buffer`` maps the pool with
+a fresh pool run far below memory bandwidth; ``_host_memory.populated_host_buffer`` maps the pool with
 ``MAP_POPULATE`` instead. This measures, in one process and in shuffled order, per trial:
 
 * ``lazy_first``: copying into a fresh ``torch.empty`` buffer (pages backed at first touch);
@@ -27,7 +27,7 @@ import torch
 
 from tokencake.bench.environment import versions
 from tokencake.bench.intervals import mean_ci
-from tokencake.serving.vllm._copy import populated_host_buffer
+from tokencake.serving.vllm._host_memory import populated_host_buffer
 
 
 def _copy_gbps(dst: torch.Tensor, src: torch.Tensor) -> float:

@@ -7,17 +7,20 @@ pinned host pool, in both directions, for contiguous block ids, scattered block 
 (vLLM-CUDA ``[2, blocks, block_size, heads, dim]`` and vLLM-CPU ``[blocks, heads, block_size, 2*dim]``).
 The reference is one large contiguous pinned copy with plain torch (the PCIe/NVLink-C2C peak).
 
-Only torch is needed (no vLLM). ``_copy.py`` is loaded by file path when the ``tokencake``
-package cannot be imported (e.g. its client dependencies are missing on the device machine).
+Only torch is needed (no vLLM). The copy modules are loaded from their files, without running the
+package ``__init__`` files, when the ``tokencake`` package cannot be imported (e.g. its client
+dependencies are missing on the device machine): see :func:`load_tokencake_module`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +38,27 @@ def load_by_path(name: str, relpath: str) -> Any:
     return mod
 
 
-def load_copy_module() -> Any:
+def load_tokencake_module(name: str) -> Any:
+    """``tokencake.<name>``, imported as usual or, where the package cannot be imported (the device
+    machine may lack its dependencies), with ``tokencake`` and each sub-package above the module
+    registered as a bare package over its folder: no package ``__init__`` runs, and the module's
+    imports of its siblings load them from their files."""
+    full = f"tokencake.{name}"
     try:
-        from tokencake.serving.vllm import _copy
-
-        return _copy
+        return importlib.import_module(full)
     except Exception:
-        return load_by_path("tokencake_copy", "tokencake/serving/vllm/_copy.py")
+        pass
+    parts = full.split(".")
+    for i in range(1, len(parts)):
+        package = types.ModuleType(".".join(parts[:i]))
+        package.__path__ = [str(ROOT.joinpath(*parts[:i]))]
+        sys.modules[package.__name__] = package
+    return importlib.import_module(full)
+
+
+def load_copy_module() -> Any:
+    """The module of ``BlockCopier`` (see :func:`load_tokencake_module`)."""
+    return load_tokencake_module("serving.vllm._copy")
 
 
 def cuda_timed(torch: Any, fn: Any) -> float:
@@ -109,6 +126,8 @@ def main() -> int:
     if torch is None:
         return 0
     cp = load_copy_module()
+    plan = load_tokencake_module("serving.vllm._copy_plan")
+    kv = load_tokencake_module("serving.vllm._kv_layout")
     reps = 2 if args.quick else 5
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     ref = peak(torch, 1 << 30, reps)
@@ -138,14 +157,14 @@ def main() -> int:
         scattered = torch.randperm(num_dev, generator=gen)[:300].tolist()
         for ids in ([5, 6, 7, 100], scattered):
             slots = list(range(len(ids)))
-            before = [t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids].clone() for t in caches.values()]
+            before = [t.movedim(copier_block_dim(kv, t, num_dev), 0)[ids].clone() for t in caches.values()]
             copier.copy("d2h", ids, slots).wait()
             for t in caches.values():
-                t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids] = 0
+                t.movedim(copier_block_dim(kv, t, num_dev), 0)[ids] = 0
             copier.copy("h2d", ids, slots).wait()
             torch.cuda.synchronize()
             exact = exact and all(
-                torch.equal(t.movedim(copier_block_dim(cp, t, num_dev), 0)[ids], b)
+                torch.equal(t.movedim(copier_block_dim(kv, t, num_dev), 0)[ids], b)
                 for t, b in zip(caches.values(), before, strict=True)
             )
         for n in sizes:
@@ -166,7 +185,7 @@ def main() -> int:
                         "pattern": pattern,
                         "blocks": n,
                         "mib": n * copier.block_bytes / 2**20,
-                        "runs": len(cp.runs(dev_ids, slots)),
+                        "runs": len(plan.runs(dev_ids, slots)),
                         "d2h_gbps": d2h,
                         "h2d_gbps": h2d,
                         "d2h_pct_peak": 100 * d2h / ref["d2h"],
@@ -193,8 +212,8 @@ def main() -> int:
     return 0 if all(r["byte_exact"] for r in rows) else 1
 
 
-def copier_block_dim(cp: Any, tensor: Any, num_blocks: int) -> int:
-    return cp.find_block_dim(tensor.shape, num_blocks)
+def copier_block_dim(kv_layout: Any, tensor: Any, num_blocks: int) -> int:
+    return kv_layout.find_block_dim(tensor.shape, num_blocks)
 
 
 if __name__ == "__main__":

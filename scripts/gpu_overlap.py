@@ -10,8 +10,8 @@ the connector's own ``BlockCopier`` (the worker's copy helper) on a Llama-3-8B-s
 * the compute loop's time alone and with the copy running beside it;
 * D2H (offload lane), H2D (load lane) and both at once (an offload beside a demand load).
 
-Only torch is needed (no vLLM); like ``gpu_check.py`` it loads ``_copy.py`` by file path when the
-package cannot be imported. Usage: ``python scripts/gpu_overlap.py [--json out.json]``.
+Only torch is needed (no vLLM); like ``gpu_check.py`` it loads the copy modules from their files
+when the package cannot be imported. Usage: ``python scripts/gpu_overlap.py [--json out.json]``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from tokencake.serving.vllm._copy import BlockCopier, block_view  # noqa: E402
+from tokencake.serving.vllm._copy import BlockCopier  # noqa: E402
+from tokencake.serving.vllm._kv_layout import block_view  # noqa: E402
 
 NUM_BLOCKS, LAYERS = 12, 3
 

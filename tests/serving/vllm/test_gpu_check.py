@@ -32,8 +32,27 @@ def test_gpu_scripts_without_cuda_say_so_and_exit_0(command: list[str]) -> None:
     assert "no CUDA device" in proc.stdout
 
 
-def test_gpu_check_loads_the_copy_helpers_without_vllm() -> None:
-    """The script falls back to loading ``_copy.py`` by path: it must not need vLLM or tokencake."""
-    src = (ROOT / "tokencake" / "serving" / "vllm" / "_copy.py").read_text()
-    imports = [line for line in src.splitlines() if line.startswith(("import ", "from "))]
-    assert all("vllm" not in line and "tokencake" not in line for line in imports), imports
+def test_gpu_check_loads_the_copy_helpers_without_vllm_or_the_package() -> None:
+    """Where ``tokencake`` cannot be imported (client dependencies missing) the script loads the copy
+    modules from their files; none of them may need vLLM or a package ``__init__``."""
+    code = (
+        "import sys\n"
+        "sys.modules['vllm'] = None  # not installed\n"
+        "sys.modules['tokencake.agents'] = None  # the package __init__ cannot run\n"
+        f"sys.path.insert(0, {str(ROOT / 'scripts')!r})\n"
+        "import gpu_check, torch\n"
+        "cp = gpu_check.load_copy_module()\n"
+        "kv = gpu_check.load_tokencake_module('serving.vllm._kv_layout')\n"
+        "caches = {'l0': torch.randn(8, 2, 4, 4)}\n"
+        "copier = cp.BlockCopier(caches, 8, 4)\n"
+        "before = caches['l0'][[2, 5]].clone()\n"
+        "copier.copy('d2h', [2, 5], [0, 1])\n"
+        "copier.copy('h2d', [6, 7], [0, 1])\n"
+        "assert torch.equal(caches['l0'][[6, 7]], before)\n"
+        "assert kv.find_block_dim((2, 8, 4), 8) == 1\n"
+        "assert 'tokencake.serving.server' not in sys.modules  # no package __init__ ran\n"
+        "print(cp.__name__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["tokencake.serving.vllm._copy"]

@@ -10,13 +10,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
+from tokencake.serving.vllm.faults import FAULTS_ENV, Faults  # noqa: E402
 from tokencake.serving.vllm.metadata import (  # noqa: E402
     CopyJob,
     JobResult,
     TokenCakeMetadata,
     TokenCakeWorkerMeta,
 )
-from tokencake.serving.vllm.worker import FAULTS_ENV, Faults, WorkerSide, parse_faults  # noqa: E402
+from tokencake.serving.vllm.worker import WorkerSide  # noqa: E402
 
 
 def _worker(num_blocks: int = 10, host: int = 4) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
@@ -220,7 +221,7 @@ def test_hooks_survive_garbage_metadata() -> None:
 def test_a_copy_that_failed_half_way_is_reported_when_its_queued_part_has_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tokencake.serving.vllm._copy import CopySubmitError
+    from tokencake.serving.vllm._copy_backend import CopySubmitError
 
     w, _ = _quiet_worker()
     partial = FakeHandle()
@@ -376,7 +377,7 @@ def test_a_held_back_copy_whose_submit_fails_half_way_waits_for_the_queued_part(
 ) -> None:
     """Fault injection holds a copy back; when it is submitted, part of it is queued before the
     submit fails. The job must not be reported (its device blocks freed) until that part ran."""
-    from tokencake.serving.vllm._copy import CopySubmitError
+    from tokencake.serving.vllm._copy_backend import CopySubmitError
 
     w, _, clock = _stalling_worker(1.0)
     partial = FakeHandle()
@@ -443,47 +444,7 @@ def test_handshake_scheduler_is_never_blocked_and_gets_a_late_report() -> None:
     assert res is not None and res.results[1].ok and res.results[1].late
 
 
-# ------------------------------------------------------------------ the fault knob
-
-
-def test_fault_knob_parsing() -> None:
-    assert parse_faults("") is None and parse_faults(" , ") is None
-    f = parse_faults("copy_fail=0.2, copy_stall_s=0.5, seed=1")
-    assert f == Faults(copy_fail=0.2, copy_stall=1.0, copy_stall_s=0.5, seed=1)
-    f = parse_faults("copy_stall=0.25,copy_stall_s=2,kinds=offload+prefetch")
-    assert f is not None and f.copy_stall == 0.25 and f.kinds == {"offload", "prefetch"} and f.active
-    assert not parse_faults("seed=3").active  # type: ignore[union-attr]
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "copy_fail=2",
-        "copy_fail=-0.1",
-        "copy_fail=nan",
-        "copy_fail=abc",
-        "copy_stall_s=inf",
-        "copy_stall_s=99999",
-        "copy_fial=0.1",
-        "copy_fail",
-        "copy_fail=",
-        "=0.1",
-        "copy_fail=0.1,copy_fail=0.2",
-        "kinds=load+teleport",
-        "seed=1.5",
-    ],
-)
-def test_bad_fault_knob_warns_once_and_injects_nothing(
-    text: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    with pytest.raises(ValueError):
-        parse_faults(text)
-    monkeypatch.setenv(FAULTS_ENV, text)
-    with caplog.at_level("WARNING", logger="vllm.tokencake.worker"):
-        w = WorkerSide(10, 4)
-    assert w.faults is None
-    (rec,) = caplog.records
-    assert FAULTS_ENV in rec.getMessage() and "ignoring" in rec.getMessage()
+# ------------------------------------------------------------------ injected faults
 
 
 def test_fault_knob_from_the_environment(

@@ -25,233 +25,44 @@ request in flight. Each job is handled under its own guard, so a bad job (bad id
 copy, an event query that raises) is reported failed (the scheduler recomputes) and the other
 jobs of the step go on; each public method has a guard of its own on top.
 
-Every accepted job is reported exactly once, and only when its copy can no longer touch the
-device blocks or host slots: complete, failed before anything was submitted, or (a CUDA copy
-that failed half-way) once its queued part has run. That is the worker half of the job timeout
-handshake: a scheduler that sets ``TokenCakeMetadata.release_after_report`` keeps a timed-out
-job's blocks until this report arrives (TokenCake's own scheduler always does). For a scheduler
-that releases them at the timeout instead, :meth:`WorkerSide.before_forward` fences every copy
-older than half its ``timeout_s``: the next forward (and, through it, every later copy) waits
-for it. That fence is best effort: it is checked only on steps that bind copy jobs, so it covers
-such a scheduler only while copies keep being planned.
+Each accepted job is reported exactly once, when its copy can no longer touch its blocks
+(:mod:`~tokencake.serving.vllm._inflight`). For a scheduler without
+``release_after_report``, :meth:`WorkerSide.before_forward` fences copies older than half
+their ``timeout_s``. That fence is best effort: it is checked only on steps that bind copy
+jobs, so it covers such a scheduler only while copies keep being planned.
 
-Fault injection for tests: ``TOKENCAKE_FAULTS="copy_fail=0.2,copy_stall_s=0.5,seed=1"`` makes
-copies fail (nothing written, job failed → recompute) or stall (held back, then written late →
-timeout path); see :func:`parse_faults`. A bad value logs one warning and injects nothing.
+Fault injection for tests: ``TOKENCAKE_FAULTS`` (:mod:`~tokencake.serving.vllm.faults`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
-from tokencake.serving.vllm._copy import BlockCopier, CopySubmitError, GeometryError, HostMemoryError
-from tokencake.serving.vllm.metadata import (
-    DEFAULT_JOB_TIMEOUT_S,
-    CopyJob,
-    JobResult,
-    TokenCakeMetadata,
-    TokenCakeWorkerMeta,
+from tokencake.serving.vllm._copy import BlockCopier
+from tokencake.serving.vllm._copy_backend import CopySubmitError
+from tokencake.serving.vllm._host_memory import HostMemoryError
+from tokencake.serving.vllm._inflight import (
+    JOB_KINDS,
+    Counters,
+    InFlight,
+    InFlightJobs,
+    SubmittedCopy,
+    block_ids,
+    describe,
 )
+from tokencake.serving.vllm._kv_layout import GeometryError
+from tokencake.serving.vllm.faults import FAULTS_ENV, Faults, InjectedFault, StalledCopy, faults_from_env
+from tokencake.serving.vllm.metadata import CopyJob, TokenCakeMetadata, TokenCakeWorkerMeta
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("vllm.tokencake.worker")
-
-FAULTS_ENV = "TOKENCAKE_FAULTS"
-_KINDS = frozenset(("offload", "prefetch", "load"))
-_FAULT_KEYS = ("copy_fail", "copy_stall", "copy_stall_s", "kinds", "seed")
-
-
-# ------------------------------------------------------------------ fault injection
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Copy faults to inject (``TOKENCAKE_FAULTS``), to exercise the failure paths end to end."""
-
-    #: Probability that a copy fails before writing anything.
-    copy_fail: float = 0.0
-    #: Probability that a copy is held back ``copy_stall_s`` seconds (then written, late).
-    copy_stall: float = 0.0
-    copy_stall_s: float = 0.0
-    #: Job kinds the faults apply to.
-    kinds: frozenset[str] = _KINDS
-    #: Seed of the draws (None: a different sequence each run).
-    seed: int | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.copy_fail > 0 or (self.copy_stall > 0 and self.copy_stall_s > 0)
-
-
-def parse_faults(text: str) -> Faults | None:
-    """Parse ``key=value`` pairs separated by commas; raises ``ValueError`` on any bad item.
-
-    Keys: ``copy_fail`` (probability), ``copy_stall`` (probability, default 1 when
-    ``copy_stall_s`` is given), ``copy_stall_s`` (seconds, at most 3600), ``kinds``
-    (``offload+prefetch+load``, default all) and ``seed`` (int). Empty text: None.
-    """
-    values: dict[str, str] = {}
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        key, sep, value = (s.strip() for s in item.partition("="))
-        if not sep or not key or not value:
-            raise ValueError(f"{item.strip()!r} is not key=value")
-        if key not in _FAULT_KEYS:
-            raise ValueError(f"unknown key {key!r} (known: {', '.join(_FAULT_KEYS)})")
-        if key in values:
-            raise ValueError(f"{key} given twice")
-        values[key] = value
-    if not values:
-        return None
-
-    def number(key: str, hi: float) -> float:
-        v = float(values[key])
-        if not (math.isfinite(v) and 0.0 <= v <= hi):
-            raise ValueError(f"{key}={values[key]} must be in [0, {hi:g}]")
-        return v
-
-    stall_s = number("copy_stall_s", 3600.0) if "copy_stall_s" in values else 0.0
-    default_stall = 1.0 if stall_s > 0 else 0.0
-    kinds = _KINDS
-    if "kinds" in values:
-        kinds = frozenset(k.strip() for k in values["kinds"].split("+"))
-        if not kinds or not kinds <= _KINDS:
-            raise ValueError(f"kinds={values['kinds']} must be a '+'-list of {'/'.join(sorted(_KINDS))}")
-    return Faults(
-        copy_fail=number("copy_fail", 1.0) if "copy_fail" in values else 0.0,
-        copy_stall=number("copy_stall", 1.0) if "copy_stall" in values else default_stall,
-        copy_stall_s=stall_s,
-        kinds=kinds,
-        seed=int(values["seed"]) if "seed" in values else None,
-    )
-
-
-def faults_from_env(environ: Mapping[str, str] | None = None) -> Faults | None:
-    """The faults ``TOKENCAKE_FAULTS`` asks for; a bad value logs one warning and injects none."""
-    text = (os.environ if environ is None else environ).get(FAULTS_ENV, "")
-    if not text.strip():
-        return None
-    try:
-        faults = parse_faults(text)
-    except Exception as exc:  # a typo in a test knob must never take the worker down
-        log.warning("TokenCake: ignoring %s=%r (%s); no faults injected", FAULTS_ENV, text, exc)
-        return None
-    if faults is not None and faults.active:
-        log.warning("TokenCake: fault injection ON (%s=%s)", FAULTS_ENV, text)
-    return faults
-
-
-class InjectedFault(RuntimeError):
-    """A copy failure asked for by ``TOKENCAKE_FAULTS``."""
-
-
-# ------------------------------------------------------------------ handles
-
-
-class _Handle(Protocol):
-    """What the worker needs of a submitted copy (``_copy.CopyHandle`` or a stalled one)."""
-
-    nbytes: int
-
-    def done(self) -> bool: ...
-
-    def wait(self) -> None: ...
-
-    def order_before_compute(self) -> None: ...
-
-    @property
-    def seconds(self) -> float: ...
-
-
-class _StalledCopy:
-    """A copy held back ``due - now`` seconds (fault injection): nothing is written before it is
-    submitted, when it is due, as if a real copy were still running that long."""
-
-    def __init__(
-        self,
-        submit: Callable[[], _Handle],
-        due: float,
-        nbytes: int,
-        clock: Callable[[], float],
-        sleep: Callable[[float], None],
-    ) -> None:
-        self._submit, self._due, self.nbytes = submit, due, nbytes
-        self._clock, self._sleep = clock, sleep
-        self._handle: _Handle | None = None
-        #: The submit failed after part of the copy was queued: the job fails once that part ran.
-        self.error: str | None = None
-
-    def _start(self) -> _Handle:
-        if self._handle is None:
-            try:
-                self._handle = self._submit()
-            except CopySubmitError as exc:  # wait for the queued part, as an unstalled copy does
-                self._handle, self.error = exc.handle, _describe(exc)
-        return self._handle
-
-    def done(self) -> bool:
-        if self._handle is None and self._clock() < self._due:
-            return False
-        return self._start().done()
-
-    def wait(self) -> None:
-        if self._handle is None:
-            left = self._due - self._clock()
-            if left > 0:
-                self._sleep(left)
-        self._start().wait()
-
-    def order_before_compute(self) -> None:
-        self.wait()  # a held-back copy cannot be stream-ordered before it exists
-        self._start().order_before_compute()
-
-    @property
-    def seconds(self) -> float:
-        return self._handle.seconds if self._handle is not None else 0.0
-
-
-@dataclass
-class _InFlight:
-    job: CopyJob
-    handle: _Handle
-    received: float
-    #: The copy failed after part of it was queued: reported failed once that part has run.
-    error: str | None = None
-    fenced: bool = False
-
-
-def _timeout(job: CopyJob) -> float:
-    t = job.timeout_s
-    return float(t) if isinstance(t, (int, float)) and t > 0 else DEFAULT_JOB_TIMEOUT_S
-
-
-def _block_ids(blocks: Iterable[Any]) -> set[int]:
-    """The integer ids of a (possibly malformed) block list."""
-    try:
-        return {b for b in blocks if isinstance(b, int)}
-    except Exception:
-        return set()
-
-
-def _describe(exc: BaseException) -> str:
-    try:
-        return f"{type(exc).__name__}: {exc}"
-    except Exception:  # an exception whose str() fails is still a failed job
-        return type(exc).__name__
-
-
-# ------------------------------------------------------------------ the worker side
 
 
 class WorkerSide:
@@ -275,9 +86,9 @@ class WorkerSide:
         self.faults = faults if faults is not None else faults_from_env()
         self._rng = random.Random(self.faults.seed if self.faults is not None else None)
         self._clock, self._sleep = clock, sleep
-        self._inflight: dict[int, _InFlight] = {}
-        self._finished: dict[int, JobResult] = {}
-        self._load_errors: set[int] = set()
+        #: Event counts for logs and tests (``errors.<where>``, ``faults.*``, ``fenced``, ...).
+        self.counters = Counters()
+        self._jobs = InFlightJobs(clock, self.counters)
         #: Offloads received this step, started in :meth:`start_saves` (after the forward).
         self._saves: list[CopyJob] = []
         #: The scheduler keeps timed-out jobs' blocks until our report (no fence needed).
@@ -285,8 +96,6 @@ class WorkerSide:
         # Job ids already started (bounded memory; ids only grow, so old ones never come back).
         self._seen: set[int] = set()
         self._seen_order: deque[int] = deque()
-        #: Event counts for logs and tests (``errors.<where>``, ``faults.*``, ``fenced``, ...).
-        self.counters: dict[str, int] = {}
 
     @property
     def error(self) -> str | None:
@@ -311,10 +120,10 @@ class WorkerSide:
                 self.copier.dense,
             )
         except (GeometryError, HostMemoryError) as exc:  # expected misfits: one clear line
-            self.disabled = _describe(exc)
+            self.disabled = describe(exc)
             log.error("TokenCake: copies disabled, %s", exc)
         except Exception as exc:  # no host pool: every job fails, vLLM recomputes
-            self.disabled = _describe(exc)
+            self.disabled = describe(exc)
             log.exception("TokenCake host pool allocation failed; copies disabled")
 
     # ---------------------------------------------------------------- per step
@@ -330,10 +139,10 @@ class WorkerSide:
             if meta is not None:
                 self._handshake = bool(getattr(meta, "release_after_report", False))
             if not self._handshake:
-                self._fence_stale()
-            self._poll()
+                self._jobs.fence_stale()
+            self._jobs.poll()
         except Exception:
-            self._count_error("before_forward")
+            self.counters.count_error("before_forward")
 
     def start_jobs(self, meta: TokenCakeMetadata) -> None:
         """Submit this step's loads and prefetches in order; keep its offloads for after the forward."""
@@ -341,7 +150,7 @@ class WorkerSide:
         try:
             jobs = list(meta.jobs)
         except Exception:
-            self._count_error("start_jobs")
+            self.counters.count_error("start_jobs")
             return
         for job in jobs:
             self._guarded(job, self._accept)
@@ -361,34 +170,28 @@ class WorkerSide:
         that carries results, so the scheduler learns it even if it never planned a job.
         """
         try:
-            self._poll()
+            self._jobs.poll()
             tell = self.disabled is not None and not self._disabled_reported
-            if not self._finished and not tell:
+            if not self._jobs.finished and not tell:
                 return None
-            out = TokenCakeWorkerMeta(self._finished, self.disabled)
-            self._finished = {}
+            out = TokenCakeWorkerMeta(self._jobs.finished, self.disabled)
+            self._jobs.finished = {}
             self._disabled_reported = self._disabled_reported or self.disabled is not None
             return out
         except Exception:
-            self._count_error("take_results")
+            self.counters.count_error("take_results")
             return None
 
     def take_load_errors(self) -> set[int]:
         """Device block ids whose demand load failed since the last call."""
-        out, self._load_errors = self._load_errors, set()
-        return out
+        return self._jobs.take_load_errors()
 
     @property
     def busy(self) -> bool:
-        return bool(self._inflight or self._saves)
+        return bool(self._jobs.inflight or self._saves)
 
     def shutdown(self) -> None:
-        for rec in list(self._inflight.values()):
-            try:
-                rec.handle.wait()
-            except Exception:
-                pass
-        self._inflight.clear()
+        self._jobs.wait_all()
         if self.copier is not None:
             try:
                 self.copier.close()
@@ -401,7 +204,7 @@ class WorkerSide:
         try:
             step(job)
         except Exception as exc:
-            self._fail(job, exc)
+            self._jobs.fail(job, exc, quiet=isinstance(exc, InjectedFault))
 
     def _accept(self, job: CopyJob) -> None:
         if job.job_id and job.job_id in self._seen:
@@ -414,16 +217,16 @@ class WorkerSide:
 
     def _submit(self, job: CopyJob) -> None:
         if job.invalid:
-            self._load_errors.update(_block_ids(job.device_blocks))
+            self._jobs.load_errors.update(block_ids(job.device_blocks))
             return
         if self.copier is None:
             raise RuntimeError(self.disabled or "host pool not allocated")
-        if job.kind not in _KINDS:
+        if job.kind not in JOB_KINDS:
             raise ValueError(f"unknown job kind {job.kind!r}")
         copier, direction = self.copier, job.direction
         blocks, slots = list(job.device_blocks), list(job.host_slots)
 
-        def submit() -> _Handle:
+        def submit() -> SubmittedCopy:
             return copier.copy(direction, blocks, slots, lane=job.kind)
 
         fault = self._draw_fault(job)
@@ -435,68 +238,50 @@ class WorkerSide:
                 assert self.faults is not None
                 copier.check(blocks, slots)  # bad ids fail now, as a real copy would
                 due = now + self.faults.copy_stall_s
-                handle: _Handle = _StalledCopy(
+                handle: SubmittedCopy = StalledCopy(
                     submit, due, len(blocks) * copier.block_bytes, self._clock, self._sleep
                 )
             else:
                 handle = submit()
         except CopySubmitError as exc:  # part of the copy is queued: report when it has run
             handle = exc.handle
-            rec = _InFlight(job, handle, now, error=_describe(exc))
+            rec = InFlight(job, handle, now, error=describe(exc))
         else:
-            rec = _InFlight(job, handle, now)
-        self._inflight[job.job_id] = rec
+            rec = InFlight(job, handle, now)
+        self._jobs.add(rec)
         if job.kind == "load":
             if rec.error is not None:
-                self._load_errors.update(_block_ids(blocks))
+                self._jobs.load_errors.update(block_ids(blocks))
             self._order_load(rec)
 
-    def _order_load(self, rec: _InFlight) -> None:
+    def _order_load(self, rec: InFlight) -> None:
         """A demand load feeds this step's forward: make the forward wait for it. The job stays in
-        flight either way and is reported once, by :meth:`_poll`, when its copy has run."""
+        flight either way and is reported once, by :meth:`InFlightJobs.poll`, when its copy has run."""
         try:
             rec.handle.order_before_compute()
         except Exception as exc:
-            rec.error = rec.error or _describe(exc)
+            rec.error = rec.error or describe(exc)
             try:
                 rec.handle.wait()  # no stream order: block until the copy is done
             except Exception as again:
-                rec.error = rec.error or _describe(again)
+                rec.error = rec.error or describe(again)
         late = getattr(rec.handle, "error", None)  # a held-back copy whose submit failed half way
         if late is not None:
             rec.error = rec.error or late
         if rec.error is not None:
-            self._load_errors.update(_block_ids(rec.job.device_blocks))
+            self._jobs.load_errors.update(block_ids(rec.job.device_blocks))
 
     def _draw_fault(self, job: CopyJob) -> str | None:
         f = self.faults
         if f is None or not f.active or job.kind not in f.kinds:
             return None
         if f.copy_fail > 0 and self._rng.random() < f.copy_fail:
-            self._count("faults.copy_fail")
+            self.counters.count("faults.copy_fail")
             return "fail"
         if f.copy_stall_s > 0 and f.copy_stall > 0 and self._rng.random() < f.copy_stall:
-            self._count("faults.copy_stall")
+            self.counters.count("faults.copy_stall")
             return "stall"
         return None
-
-    def _fail(self, job: CopyJob, exc: BaseException) -> None:
-        """Report a job failed (by id, and by block for a demand load); never raises."""
-        self._count("jobs.failed")
-        try:
-            error = _describe(exc)
-            job_id = getattr(job, "job_id", None)
-            kind = getattr(job, "kind", None)
-            if isinstance(exc, InjectedFault):
-                log.debug("TokenCake copy job %s (%s): %s", job_id, kind, error)
-            else:
-                log.warning("TokenCake copy job %s (%s) failed: %s", job_id, kind, error)
-            if isinstance(job_id, int):
-                self._finished[job_id] = JobResult(False, 0.0, 0, error)
-            if kind == "load":
-                self._load_errors.update(_block_ids(getattr(job, "device_blocks", ())))
-        except Exception:  # a job too broken to even describe: nothing to report it under
-            self._count("errors.fail")
 
     def _remember(self, job_id: int, limit: int = 4096) -> None:
         self._seen.add(job_id)
@@ -506,61 +291,9 @@ class WorkerSide:
 
     def _poll_guarded(self) -> None:
         try:
-            self._poll()
+            self._jobs.poll()
         except Exception:
-            self._count_error("poll")
-
-    def _poll(self) -> None:
-        """Report every job whose copy has completed; a job whose query raises is failed alone."""
-        now = self._clock()
-        for job_id, rec in list(self._inflight.items()):
-            try:
-                if not rec.handle.done():
-                    continue
-                seconds, nbytes = float(rec.handle.seconds), int(rec.handle.nbytes)
-            except Exception as exc:  # a failed copy is a failed job, never an exception into vLLM
-                self._inflight.pop(job_id, None)
-                self._fail(rec.job, exc)
-                continue
-            self._inflight.pop(job_id, None)
-            late = now - rec.received > _timeout(rec.job)
-            if late:
-                self._count("jobs.late")
-            error = rec.error or getattr(rec.handle, "error", None)
-            if error is not None:
-                self._count("jobs.failed")
-                self._finished[job_id] = JobResult(False, seconds, 0, error, late=late)
-            else:
-                self._finished[job_id] = JobResult(True, seconds, nbytes, late=late)
-
-    def _fence_stale(self) -> None:
-        now = self._clock()
-        for rec in list(self._inflight.values()):
-            if rec.fenced or now - rec.received < 0.5 * _timeout(rec.job):
-                continue
-            rec.fenced = True
-            self._count("fenced")
-            log.warning(
-                "TokenCake copy job %d (%s) still running after %.1f s; the next forward waits for it",
-                rec.job.job_id,
-                rec.job.kind,
-                now - rec.received,
-            )
-            try:
-                rec.handle.order_before_compute()
-            except Exception:
-                try:
-                    rec.handle.wait()
-                except Exception:
-                    self._count_error("fence")
-
-    # ---------------------------------------------------------------- counters
-    def _count(self, name: str) -> None:
-        self.counters[name] = self.counters.get(name, 0) + 1
-
-    def _count_error(self, where: str) -> None:
-        self._count(f"errors.{where}")
-        log.exception("TokenCake worker: %s failed (ignored)", where)
+            self.counters.count_error("poll")
 
 
-__all__ = ["FAULTS_ENV", "Faults", "InjectedFault", "WorkerSide", "faults_from_env", "parse_faults"]
+__all__ = ["WorkerSide"]
