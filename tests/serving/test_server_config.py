@@ -272,7 +272,7 @@ def test_policy_reaches_the_connector_and_a_bad_one_is_refused() -> None:
         Server(policy="fifo")
 
 
-def test_data_parallel_is_refused_with_the_extension() -> None:
+def test_data_parallel_is_refused_with_the_extension(cpu: None) -> None:
     """One events listener and one stall book per server: DP engines would each miss the events."""
     for flags in (["--data-parallel-size", "2"], ["-dp=4"]):
         with pytest.raises(ServerError, match="replicas behind a router"):

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
-from tokencake.sim.validate import FIXTURES, TOLERANCE, ranking_violations, validate
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tokencake.sim.validate import (
+    FIXTURES,
+    TOLERANCE,
+    StoredRunsMissing,
+    fixtures_in,
+    ranking_violations,
+    validate,
+)
+
+BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
 
 
 def test_predicted_mean_e2e_is_within_tolerance_of_the_real_runs_and_ranks_the_same() -> None:
@@ -68,3 +82,26 @@ def test_a_run_with_slow_copies_is_replayed_at_its_own_rates() -> None:
     }
     assert own["tokencake"] > profile_rates["tokencake"]
     assert own["baseline"] == profile_rates["baseline"]
+
+
+def test_the_stored_runs_are_read_from_the_clones_docs_bench_by_default() -> None:
+    assert {f.path.parent for f in FIXTURES.values()} == {BENCH}
+    assert all(f.path.is_file() for f in FIXTURES.values())
+
+
+def test_fixtures_in_reads_the_same_runs_from_another_directory(tmp_path: Path) -> None:
+    shutil.copy(FIXTURES["ci"].path, tmp_path)
+    moved = fixtures_in(tmp_path)
+    assert set(moved) == set(FIXTURES)
+    assert moved["ci"].path == tmp_path / "ci-results.json"
+    assert (moved["ci"].profile, moved["ci"].fitted) == (FIXTURES["ci"].profile, FIXTURES["ci"].fitted)
+    assert validate({"ci": moved["ci"]}) == validate({"ci": FIXTURES["ci"]})
+
+
+def test_a_missing_stored_run_is_a_one_line_error_that_says_where_to_look(tmp_path: Path) -> None:
+    with pytest.raises(StoredRunsMissing) as raised:
+        validate(fixtures_in(tmp_path / "absent"))
+    message = str(raised.value)
+    assert isinstance(raised.value, FileNotFoundError)
+    assert "\n" not in message and str(tmp_path / "absent") in message
+    assert "docs/bench" in message and "--runs-dir" in message

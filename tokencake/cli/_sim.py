@@ -77,6 +77,13 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="predicted vs measured mean E2E for the stored real bench runs",
     )
+    p.add_argument(
+        "--runs-dir",
+        type=Path,
+        metavar="DIR",
+        help="--validate reads the stored runs from DIR (a clone's docs/bench; default: the docs/bench "
+        "of the clone this package runs from, which an installed package does not ship)",
+    )
     p.set_defaults(func=run)
 
 
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=200)  # piped to a file: do not squeeze the table to 80 columns
     if args.validate:
-        return _validate(console, args.json)
+        return _validate(console, args.json, args.runs_dir)
     systems = [s.strip() for s in args.policies.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
@@ -306,11 +313,21 @@ def _plots(doc: dict[str, Any], out: Path) -> list[Path]:
     return [path]
 
 
-def _validate(console: Any, json_path: Path | None) -> int:
+def _validate(console: Any, json_path: Path | None, runs_dir: Path | None) -> int:
     from tokencake.sim.profiles import get_profile
-    from tokencake.sim.validate import TOLERANCE, ranking_violations, table, validate
+    from tokencake.sim.validate import (
+        TOLERANCE,
+        StoredRunsMissing,
+        fixtures_in,
+        ranking_violations,
+        table,
+        validate,
+    )
 
-    rows = validate()
+    try:
+        rows = validate(fixtures_in(runs_dir) if runs_dir is not None else None)
+    except StoredRunsMissing as exc:
+        raise CLIError(str(exc)) from None
     console.print(table(rows))
     worst = max(abs(r.error) for r in rows)
     bad = ranking_violations(rows)

@@ -32,7 +32,9 @@ __all__ = [
     "TOLERANCE",
     "Fixture",
     "Row",
+    "StoredRunsMissing",
     "fit",
+    "fixtures_in",
     "grid_errors",
     "measured_copy_rates",
     "served_profile",
@@ -45,7 +47,14 @@ SERVED_WITH: dict[str, Any] = {"reevaluate_max_s": 0.05}
 TOLERANCE = 0.15
 #: Measured means closer than this (relative) are a tie: their predicted order is not checked.
 TIE = 0.10
+#: Where the stored runs are read from unless ``fixtures_in`` names another directory: ``docs/bench``
+#: of the clone this package is imported from. They are not package data (about 12 MB, several times
+#: the rest of the wheel), so an installed package reads a clone's directory, named explicitly.
 _DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench"
+
+
+class StoredRunsMissing(FileNotFoundError):
+    """Stored runs are not where they are read from; the message is one line that says where to look."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,22 @@ FIXTURES: dict[str, Fixture] = {
 }
 
 
+def fixtures_in(runs_dir: Path | str) -> dict[str, Fixture]:
+    """``FIXTURES`` read from ``runs_dir`` (a clone's ``docs/bench``) instead of the default directory."""
+    return {name: replace(f, path=Path(runs_dir) / f.path.name) for name, f in FIXTURES.items()}
+
+
+def _read(path: Path) -> Any:
+    """A stored run's JSON; ``StoredRunsMissing`` with a one-line message when the file is absent."""
+    if not path.is_file():
+        raise StoredRunsMissing(
+            f"stored run {path.name} not found in {path.parent}: the stored runs are a clone's docs/bench, "
+            "not package data; run from a clone or pass its docs/bench "
+            "(tokencake sim --validate --runs-dir DIR, or validate(fixtures_in(DIR)))"
+        )
+    return json.loads(path.read_text())
+
+
 @dataclass(frozen=True)
 class Row:
     preset: str
@@ -139,12 +164,13 @@ def validate(
     fixtures: Mapping[str, Fixture | Path] | None = None, profile: HardwareProfile | None = None
 ) -> list[Row]:
     """Predicted and measured mean app E2E for every system of every stored run, each on its own
-    host's profile unless ``profile`` is given (a bare path is a ``cpu-measured`` run)."""
+    host's profile unless ``profile`` is given (a bare path is a ``cpu-measured`` run). Raises
+    ``StoredRunsMissing`` when a run's file is absent."""
     rows = []
     for preset, fixture in (fixtures or FIXTURES).items():
         if not isinstance(fixture, Fixture):
             fixture = Fixture(Path(fixture))
-        results = json.loads(fixture.path.read_text())
+        results = _read(fixture.path)
         prof = served_profile(fixture, results, profile or get_profile(fixture.profile))
         server = results["config"]["server"]
         done: set[str] = set()

@@ -187,9 +187,8 @@ def test_fit_and_estimate() -> None:
 @pytest.mark.parametrize("name", catalog.app_names())
 def test_estimates_are_upper_bounds_of_real_tokens(name: str) -> None:
     """The SmolLM2 tokenizer counts no more than the estimate, so 4,096 is never reached."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    tokenizers = pytest.importorskip("tokenizers", reason="tokenizers comes with the serve extras (vLLM)")
+    tokenizer = tokenizers.Tokenizer.from_file(str(TOKENIZER))
     _, requests = scripted_run(name, "realistic")
     body = max(requests, key=lambda b: material.conversation_tokens(b))
     real = sum(

@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+pytest.importorskip("vllm")
+
 from vllm import SamplingParams
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
