@@ -505,11 +505,13 @@ class TokenCakeConnector(KVConnectorBase_V1):
 
     @_timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The step's reports, merged over the ranks by vLLM (``SchedulerSide.on_worker_meta``)."""
         if self.sched is None:
             return
         try:
             meta = connector_output.kv_connector_worker_meta
-            self.sched.on_worker_meta(meta if isinstance(meta, TokenCakeWorkerMeta) else None)
+            invalid = getattr(connector_output, "invalid_block_ids", None) or ()
+            self.sched.on_worker_meta(meta if isinstance(meta, TokenCakeWorkerMeta) else None, invalid)
         except Exception:
             self._count_error("update_connector_output")
 
