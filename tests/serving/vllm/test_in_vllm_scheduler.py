@@ -32,6 +32,7 @@ from tokencake.serving.model import default_model_dir
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.connector import TokenCakeConnector
 from tokencake.serving.vllm.metadata import JobResult, TokenCakeMetadata, TokenCakeWorkerMeta
+from tokencake.serving.vllm.scheduler import SpatialScheduler
 from tokencake.serving.vllm.scheduler_side import SchedulerSide, _Keep
 
 BS = 16
@@ -63,8 +64,8 @@ def vllm_config() -> VllmConfig:
     )
 
 
-@pytest.fixture
-def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
+def _build(vllm_config: VllmConfig, cls: Any = Scheduler) -> Scheduler:
+    """vLLM's scheduler (or ``cls``, e.g. TokenCake's ``SpatialScheduler``) with the connector."""
     kv = KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[],
@@ -74,7 +75,7 @@ def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
             )
         ],
     )
-    sched = Scheduler(
+    sched = cls(
         vllm_config=vllm_config,
         kv_cache_config=kv,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -82,6 +83,12 @@ def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
         log_stats=False,
     )
     assert isinstance(sched.connector, TokenCakeConnector) and sched.connector.sched is not None
+    return sched
+
+
+@pytest.fixture
+def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
+    sched = _build(vllm_config)
     yield sched
     sched.connector.shutdown()
 
@@ -247,3 +254,31 @@ def test_a_load_one_rank_failed_leaves_the_prefix_cache_in_the_step_its_failure_
     assert new.req_id == "rc" and new.num_computed_tokens == 0
     assert not side._jobs and side.stats.counter("load.failed") == 1
     assert side.stats.counter("demand_load.uncached_blocks") == 3  # marked once
+
+
+@pytest.mark.parametrize("reset_connector", [False, True])
+@pytest.mark.parametrize("cls", [Scheduler, SpatialScheduler], ids=["vllm", "spatial"])
+def test_a_device_prefix_cache_reset_drops_the_host_copies_too(
+    vllm_config: VllmConfig, cls: Any, reset_connector: bool
+) -> None:
+    """``POST /reset_prefix_cache`` (new weights) defaults to ``reset_connector=False``: vLLM
+    resets its block pool and does not call the connector. The host copies hold KV of the old
+    weights as much as the device blocks did: a demand load must not serve them afterwards.
+    Whichever scheduler class runs, and reset once whichever way vLLM was asked."""
+    scheduler = _build(vllm_config, cls)
+    try:
+        side = scheduler.connector.sched  # type: ignore[union-attr]
+        old = _request("r1", 3 * BS + 2, 4)
+        _on_host(side, _hashes(old, 3))
+        assert scheduler.reset_prefix_cache(reset_connector=reset_connector)
+        assert side.stats.counter("reset.count") == (1 if reset_connector else 0)
+        scheduler.add_request(old)
+        out = _step(scheduler)
+        assert out.kv_connector_metadata.jobs == []  # nothing loaded from the host
+        (new,) = out.scheduled_new_reqs
+        assert new.num_computed_tokens == 0
+        assert side.host.num_ready == 0
+        assert side.stats.counter("reset.count") == 1
+        assert side.stats.counter("tokens.from_host") == 0
+    finally:
+        scheduler.connector.shutdown()  # type: ignore[union-attr]

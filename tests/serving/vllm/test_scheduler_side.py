@@ -1272,6 +1272,24 @@ def test_reset_cache_drops_host_copies_and_copies_in_flight(pool: BlockPool, clo
     assert_no_pins(pool)
 
 
+def test_a_device_only_prefix_cache_reset_is_followed_once(pool: BlockPool, clock: Clock) -> None:
+    """vLLM resets its block pool without calling ``reset_cache`` (``reset_connector=False``): the
+    connector's next hook finds the pool's new epoch and resets the host side as ``reset_cache``
+    does. A reset vLLM did pass on (pool reset, then ``reset_cache``) is not done twice."""
+    side = make_side(pool, clock, prefetch=False)
+    put_on_host(side, chain("old", 2))
+    assert not side.follow_pool_reset()
+    assert pool.reset_prefix_cache()
+    assert side.follow_pool_reset() and not side.follow_pool_reset()
+    assert side.host.num_ready == 0
+    assert side.stats.counter("reset.count") == 1 and side.stats.counter("reset.device_only") == 1
+    put_on_host(side, chain("new", 2))
+    assert pool.reset_prefix_cache()
+    assert side.reset_cache() and not side.follow_pool_reset()
+    assert side.host.num_ready == 0
+    assert side.stats.counter("reset.count") == 2 and side.stats.counter("reset.device_only") == 1
+
+
 def test_host_pool_full_at_allocation_is_asked_again(
     pool: BlockPool, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -27,8 +27,9 @@ block-pool and host-pool mutation happens on the engine thread, in the hooks vLL
     demand load: count host-pool hits past the device prefix, map them to the blocks vLLM
     allocated, and plan a synchronous host → device load. A request whose prefetch is still
     being copied waits one step for it instead of loading the same blocks twice.
-``reset_cache``
-    vLLM reset its prefix cache (weights changed): drop every host copy, ignore copies in flight.
+``reset_cache`` / :meth:`SchedulerSide.follow_pool_reset`
+    vLLM reset its prefix cache (weights changed): drop every host copy, ignore copies in flight
+    — also after a device-only reset, which vLLM does not pass on to the connector.
 
 Rules that keep vLLM correct: every device block we pin or allocate is released exactly once
 (``_Job.release``); offloads are copied after the step's forward (the worker runs them in
@@ -36,7 +37,8 @@ Rules that keep vLLM correct: every device block we pin or allocate is released 
 the prefix cache only after its copy is confirmed, and only when no other block serves its hash;
 a prefetch only brings back blocks that extend an unbroken chain from block 0; a failed load is
 reported so vLLM recomputes, and its blocks leave the prefix cache in the step the first rank's
-report of it arrives; nothing from before a ``reset_cache`` is committed or published.
+report of it arrives; nothing from before a ``reset_cache`` or a device prefix-cache reset is
+committed, published or served.
 """
 
 from __future__ import annotations
@@ -366,6 +368,9 @@ class SchedulerSide:
         self._poll_abandoned_at: float | None = None
         self._next_job = 1
         self._generation = 0
+        #: The device pool's prefix-cache epoch this side's host state is valid for (see
+        #: ``follow_pool_reset``); a strong reference, so a later epoch can never share its id.
+        self._pool_epoch: object | None = None
         self._jobs: dict[int, _Job] = {}
         self._outbox: list[CopyJob] = []
         self._stalls: dict[str, _Stall] = {}
@@ -471,6 +476,7 @@ class SchedulerSide:
     # ------------------------------------------------------------ wiring
     def bind_pool(self, pool: BlockPool) -> None:
         self.pool = pool
+        self._pool_epoch = bp.cache_epoch(pool)
 
     def set_wake(self, wake: Callable[[], None] | None) -> None:
         """A thread-safe callback that makes an idle engine run one step (None: none available)."""
@@ -1771,6 +1777,8 @@ class SchedulerSide:
 
     def reset_cache(self) -> bool:
         """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
+        if self.pool is not None:
+            self._pool_epoch = bp.cache_epoch(self.pool)  # this reset covers the pool's as well
         self._generation += 1
         self._copied.clear()
         self._suspect.clear()  # no hash survives the reset
@@ -1784,6 +1792,21 @@ class SchedulerSide:
         self.stats.inc("reset.host_blocks_dropped", dropped)
         log.info("TokenCake: prefix cache reset, %d host blocks dropped", dropped)
         return True
+
+    def follow_pool_reset(self) -> bool:
+        """Do what ``reset_cache`` does if vLLM reset the device prefix cache since the last call
+        (or ``reset_cache``); returns whether it did.
+
+        vLLM's ``reset_prefix_cache`` (``POST /reset_prefix_cache``, a weight update) tells the
+        connector only with ``reset_connector=True``, which the API defaults to off; the host
+        copies hold KV of the old weights as much as the device blocks did. The connector calls
+        this first in every hook that serves, plans or commits a copy, so nothing from before the
+        reset is served, whichever scheduler class runs and however the reset was asked for.
+        """
+        if self.pool is None or bp.cache_epoch(self.pool) is self._pool_epoch:
+            return False
+        self.stats.inc("reset.device_only")
+        return self.reset_cache()
 
     def _release_finish_pins(self, session_id: str) -> None:
         if self._finish_pins.pop(session_id, None) is not None:
