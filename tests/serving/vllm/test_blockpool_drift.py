@@ -196,3 +196,20 @@ def test_uncache_drops_the_hash_and_keeps_references_and_the_free_queue(pool: Bl
     assert held.block_hash is None and held.ref_cnt == 1
     assert idle.block_hash is None and idle.ref_cnt == 0 and bp.num_free(pool) == free_before
     bp.release(pool, [held])
+
+
+def test_the_cache_epoch_changes_with_a_prefix_cache_reset_only(pool: BlockPool) -> None:
+    """``cache_epoch``: a device prefix-cache reset vLLM did not pass on to the connector is told
+    by the pool's hash map being replaced — by a successful reset, and by nothing else."""
+    epoch = bp.cache_epoch(pool)
+    assert epoch is not None
+    blocks = bp.allocate(pool, 3)
+    for i, block in enumerate(blocks):
+        assert bp.register(pool, block, _hash(20 + i), num_tokens=16 * (i + 1))
+    bp.uncache(pool, [blocks[0].block_id])
+    assert not pool.reset_prefix_cache()  # refused: blocks in use
+    bp.release(pool, blocks)
+    bp.release(pool, bp.allocate(pool, bp.num_free(pool)))  # evicts every cached block
+    assert bp.cache_epoch(pool) is epoch
+    assert pool.reset_prefix_cache()
+    assert bp.cache_epoch(pool) is not epoch

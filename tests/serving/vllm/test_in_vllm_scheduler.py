@@ -24,7 +24,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -32,6 +32,9 @@ from tokencake.serving.kvcore.core import _Keep
 from tokencake.serving.model import default_model_dir
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.connector import TokenCakeConnector
+from tokencake.serving.vllm.metadata import JobResult, TokenCakeMetadata, TokenCakeWorkerMeta
+from tokencake.serving.vllm.scheduler import SpatialScheduler
+from tokencake.serving.vllm.scheduler_side import SchedulerSide
 
 BS = 16
 NUM_BLOCKS = 12
@@ -62,8 +65,8 @@ def vllm_config() -> VllmConfig:
     )
 
 
-@pytest.fixture
-def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
+def _build(vllm_config: VllmConfig, cls: Any = Scheduler) -> Scheduler:
+    """vLLM's scheduler (or ``cls``, e.g. TokenCake's ``SpatialScheduler``) with the connector."""
     kv = KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[],
@@ -73,7 +76,7 @@ def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
             )
         ],
     )
-    sched = Scheduler(
+    sched = cls(
         vllm_config=vllm_config,
         kv_cache_config=kv,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -81,6 +84,12 @@ def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
         log_stats=False,
     )
     assert isinstance(sched.connector, TokenCakeConnector) and sched.connector.sched is not None
+    return sched
+
+
+@pytest.fixture
+def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
+    sched = _build(vllm_config)
     yield sched
     sched.connector.shutdown()
 
@@ -102,9 +111,15 @@ def _request(req_id: str, tokens: int, token: int, session: str | None = None) -
     )
 
 
-def _step(sched: Scheduler) -> SchedulerOutput:
+def _step(sched: Scheduler, kv: KVConnectorOutput | None = None) -> SchedulerOutput:
     """One engine step: vLLM schedules, the "model" samples one token per scheduled request."""
     out = sched.schedule()
+    _answer(sched, out, kv)
+    return out
+
+
+def _answer(sched: Scheduler, out: SchedulerOutput, kv: KVConnectorOutput | None = None) -> None:
+    """The step's model output for ``out``; ``kv``: what the workers' connectors report with it."""
     ids = list(out.num_scheduled_tokens)
     sched.update_from_output(
         out,
@@ -112,9 +127,20 @@ def _step(sched: Scheduler) -> SchedulerOutput:
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
+            kv_connector_output=kv,
         ),
     )
-    return out
+
+
+def _on_host(side: SchedulerSide, hashes: list[bytes]) -> None:
+    """Host copies of ``hashes``, committed and unowned (as an earlier offload leaves them)."""
+    for h in hashes:
+        (slot,) = side.host.allocate(1, "test")
+        side.host.commit(h, slot)
+
+
+def _hashes(request: Request, n: int) -> list[bytes]:
+    return [bytes(h) for h in request.block_hashes[:n]]
 
 
 def test_a_held_chain_yields_to_a_running_request_instead_of_a_preemption(scheduler: Scheduler) -> None:
@@ -180,3 +206,80 @@ def test_an_admission_that_would_take_kept_room_waits_and_vllm_admits_the_next(
     scheduler.add_request(plain)
     out = _step(scheduler)
     assert "plain" in out.num_scheduled_tokens and "big" not in out.num_scheduled_tokens
+
+
+@pytest.mark.parametrize("result_with_ids", [True, False])
+def test_a_load_one_rank_failed_leaves_the_prefix_cache_in_the_step_its_failure_arrives(
+    scheduler: Scheduler, result_with_ids: bool
+) -> None:
+    """Tensor parallel: every rank loads its shard of the blocks, and vLLM merges the ranks'
+    reports of a step (``KVOutputAggregator``: the union of ``invalid_block_ids``, the merged
+    worker meta). Rank 1's load failed; rank 0 reports the job a step later. Under ``recompute``
+    vLLM rewinds the request but keeps the blocks' hashes: they must leave the prefix cache (and
+    the host copies the pool) in this step, or the next admission on that prefix hits half-bad
+    KV. ``result_with_ids``: rank 1's failed result comes with its ids (else only the ids)."""
+    conn: Any = scheduler.connector
+    side = conn.sched
+    side.num_workers = 2
+    pool = side.pool.pool
+    rb = _request("rb", 3 * BS + 2, 4)
+    shared = _hashes(rb, 3)
+    _on_host(side, shared)
+    scheduler.add_request(rb)
+    out = scheduler.schedule()
+    assert isinstance(out.kv_connector_metadata, TokenCakeMetadata)
+    (load,) = out.kv_connector_metadata.jobs
+    assert load.kind == "load" and len(load.device_blocks) == 3
+    rank1 = TokenCakeWorkerMeta({load.job_id: JobResult(False, 0.001, 0, "copy failed")})
+    _answer(
+        scheduler,
+        out,
+        KVConnectorOutput(
+            invalid_block_ids=set(load.device_blocks),
+            kv_connector_worker_meta=rank1 if result_with_ids else None,
+        ),
+    )
+    assert rb.num_computed_tokens == 0  # vLLM rewound it (recompute)
+    assert all(bp.cached_block(pool, h) is None for h in shared)
+    assert all(side.host.lookup(h) is None for h in shared)
+    assert side._jobs  # rank 0 may still be copying: the job's pins wait for its report
+    # The next admission on the prefix computes it (no device hit, no host hit).
+    rc = _request("rc", 3 * BS + 2, 4)
+    scheduler.add_request(rc)
+    late = TokenCakeWorkerMeta({load.job_id: JobResult(True, 0.001, 0)})  # rank 0's result
+    if not result_with_ids:  # both ranks' results, merged (rank 1's failed)
+        late = TokenCakeWorkerMeta({load.job_id: JobResult(False, 0.001, 0, "copy failed", workers=2)})
+    out = _step(scheduler, KVConnectorOutput(kv_connector_worker_meta=late))
+    assert out.kv_connector_metadata.jobs == []
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == "rc" and new.num_computed_tokens == 0
+    assert not side._jobs and side.stats.counter("load.failed") == 1
+    assert side.stats.counter("demand_load.uncached_blocks") == 3  # marked once
+
+
+@pytest.mark.parametrize("reset_connector", [False, True])
+@pytest.mark.parametrize("cls", [Scheduler, SpatialScheduler], ids=["vllm", "spatial"])
+def test_a_device_prefix_cache_reset_drops_the_host_copies_too(
+    vllm_config: VllmConfig, cls: Any, reset_connector: bool
+) -> None:
+    """``POST /reset_prefix_cache`` (new weights) defaults to ``reset_connector=False``: vLLM
+    resets its block pool and does not call the connector. The host copies hold KV of the old
+    weights as much as the device blocks did: a demand load must not serve them afterwards.
+    Whichever scheduler class runs, and reset once whichever way vLLM was asked."""
+    scheduler = _build(vllm_config, cls)
+    try:
+        side = scheduler.connector.sched  # type: ignore[union-attr]
+        old = _request("r1", 3 * BS + 2, 4)
+        _on_host(side, _hashes(old, 3))
+        assert scheduler.reset_prefix_cache(reset_connector=reset_connector)
+        assert side.stats.counter("reset.count") == (1 if reset_connector else 0)
+        scheduler.add_request(old)
+        out = _step(scheduler)
+        assert out.kv_connector_metadata.jobs == []  # nothing loaded from the host
+        (new,) = out.scheduled_new_reqs
+        assert new.num_computed_tokens == 0
+        assert side.host.num_ready == 0
+        assert side.stats.counter("reset.count") == 1
+        assert side.stats.counter("tokens.from_host") == 0
+    finally:
+        scheduler.connector.shutdown()  # type: ignore[union-attr]

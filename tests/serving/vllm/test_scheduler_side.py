@@ -365,6 +365,64 @@ def test_a_save_computed_from_a_failed_load_is_not_committed(
     assert_no_pins(pool)
 
 
+def test_one_ranks_failed_load_is_acted_on_before_the_other_ranks_report(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Tensor parallel: rank 1 reports B's load failed, rank 0 has not reported it yet; A's save
+    of the block B computed from it is confirmed by both ranks in the same report. The failure
+    acts at once — the blocks leave the prefix cache, the host copies are dropped, the save is
+    not committed — while the load's pins wait for rank 0 (it may still be copying)."""
+    side = make_side(pool, clock, prefetch=False)
+    side.num_workers = 2
+    shared, own = chain("p", 3), chain("b", 1)
+    req, blocks, load, offload = load_and_stall_on_the_same_chain(side, pool, shared, own, admitted=4)
+    assert offload is not None
+    rank1 = {load.job_id: JobResult(False, 0.001, 0), offload.job_id: JobResult(True, 0.001, 0, workers=2)}
+    side.on_worker_meta(TokenCakeWorkerMeta(rank1))
+    assert side.host.lookup(own[0]) is None and side.stats.counter("offload.suspect_dropped") == 1
+    assert all(side.host.lookup(h) is None for h in shared)
+    assert all(bp.cached_block(pool, h) is None for h in [*shared, *own])
+    assert [j.kind for j in side._jobs.values()] == ["load"]  # its host pins wait for rank 0
+    assert side.host.owned_by(f"job:{load.job_id}") == sorted(load.host_slots)
+    side.on_worker_meta(TokenCakeWorkerMeta({load.job_id: JobResult(True, 0.001, 0)}))
+    assert not side._jobs and side.stats.counter("load.failed") == 1
+    assert side.host.owned_by(f"job:{load.job_id}") == []
+    assert side.stats.counter("demand_load.uncached_blocks") == 4  # marked once
+    req.num_computed_tokens = 4 * BS + 2
+    side.request_finished(req)
+    bp.release(pool, blocks)
+    assert_no_pins(pool)
+
+
+def test_a_ranks_invalid_block_ids_fail_its_load_before_its_result_arrives(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """A rank's failed load can reach the scheduler as ``invalid_block_ids`` before any rank's
+    result for the job (vLLM merges the ranks' ids): the load fails at once. Ids of no load in
+    flight change nothing."""
+    side = make_side(pool, clock, prefetch=False)
+    side.num_workers = 2
+    shared, own = chain("p", 3), chain("b", 1)
+    req, blocks = b_matches_the_shared_prefix_on_host(side, pool, shared, own, admitted=4)
+    side.update_state_after_alloc(req, [b.block_id for b in blocks], 3 * BS)
+    (load,) = side.build_meta().jobs
+    others = cache_blocks(pool, chain("q", 1))
+    side.on_worker_meta(None, {others[0].block_id})
+    assert side.host.lookup(shared[0]) is not None and bp.cached_block(pool, shared[0]) is not None
+    side.on_worker_meta(None, {load.device_blocks[1]})
+    assert all(side.host.lookup(h) is None for h in shared)
+    assert all(bp.cached_block(pool, h) is None for h in [*shared, *own])
+    assert bp.cached_block(pool, chain("q", 1)[0]) is others[0]
+    both = TokenCakeWorkerMeta({load.job_id: JobResult(True, 0.001, 0, workers=2)})
+    side.on_worker_meta(both, {load.device_blocks[1]})  # the ranks' results, a step later
+    assert not side._jobs and side.stats.counter("load.failed") == 1
+    assert side.stats.counter("demand_load.uncached_blocks") == 4
+    req.num_computed_tokens = 4 * BS + 2
+    side.request_finished(req)
+    bp.release(pool, [*blocks, *others])
+    assert_no_pins(pool)
+
+
 def test_a_later_chunk_computed_before_a_load_failure_was_known_is_not_committed(
     pool: BlockPool, clock: Clock
 ) -> None:
@@ -1213,6 +1271,24 @@ def test_reset_cache_drops_host_copies_and_copies_in_flight(pool: BlockPool, clo
     assert side.stats.counter("offload.dropped_after_reset") == 1
     assert side.host.num_ready == 0
     assert_no_pins(pool)
+
+
+def test_a_device_only_prefix_cache_reset_is_followed_once(pool: BlockPool, clock: Clock) -> None:
+    """vLLM resets its block pool without calling ``reset_cache`` (``reset_connector=False``): the
+    connector's next hook finds the pool's new epoch and resets the host side as ``reset_cache``
+    does. A reset vLLM did pass on (pool reset, then ``reset_cache``) is not done twice."""
+    side = make_side(pool, clock, prefetch=False)
+    put_on_host(side, chain("old", 2))
+    assert not side.follow_pool_reset()
+    assert pool.reset_prefix_cache()
+    assert side.follow_pool_reset() and not side.follow_pool_reset()
+    assert side.host.num_ready == 0
+    assert side.stats.counter("reset.count") == 1 and side.stats.counter("reset.device_only") == 1
+    put_on_host(side, chain("new", 2))
+    assert pool.reset_prefix_cache()
+    assert side.reset_cache() and not side.follow_pool_reset()
+    assert side.host.num_ready == 0
+    assert side.stats.counter("reset.count") == 2 and side.stats.counter("reset.device_only") == 1
 
 
 def test_host_pool_full_at_allocation_is_asked_again(

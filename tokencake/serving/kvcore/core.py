@@ -17,7 +17,9 @@ block-pool and host-pool mutation happens on the engine thread, in the hooks vLL
     copy jobs for the workers.
 ``update_connector_output``
     finished copies come back from the workers: commit offloaded blocks to the host index,
-    register prefetched blocks in the device prefix cache, release every pin. Once a stalled
+    register prefetched blocks in the device prefix cache, release every pin — each once every
+    rank reported the copy. A failed demand load acts at the first rank's word instead (its
+    failed result, or its blocks in vLLM's ``invalid_block_ids``). Once a stalled
     session's chain is safely on host, its idle device blocks move to the *front* of vLLM's
     eviction queue (latest predicted return first), and back to the end when its prefetch falls
     due or the tool returns.
@@ -25,16 +27,18 @@ block-pool and host-pool mutation happens on the engine thread, in the hooks vLL
     demand load: count host-pool hits past the device prefix, map them to the blocks vLLM
     allocated, and plan a synchronous host → device load. A request whose prefetch is still
     being copied waits one step for it instead of loading the same blocks twice.
-``reset_cache``
-    vLLM reset its prefix cache (weights changed): drop every host copy, ignore copies in flight.
+``reset_cache`` (also after a device-only reset, which the vLLM binding detects)
+    vLLM reset its prefix cache (weights changed): drop every host copy, ignore copies in flight
+    — also after a device-only reset, which vLLM does not pass on to the connector.
 
 Rules that keep vLLM correct: every device block we pin or allocate is released exactly once
 (``_Job.release``); offloads are copied after the step's forward (the worker runs them in
 ``wait_for_save``: a block hashed this step holds its KV only then); a block is published in
 the prefix cache only after its copy is confirmed, and only when no other block serves its hash;
 a prefetch only brings back blocks that extend an unbroken chain from block 0; a failed load is
-reported so vLLM recomputes, and its blocks leave the prefix cache; nothing from before a
-``reset_cache`` is committed or published.
+reported so vLLM recomputes, and its blocks leave the prefix cache in the step the first rank's
+report of it arrives; nothing from before a ``reset_cache`` or a device prefix-cache reset is
+committed, published or served.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
@@ -100,6 +104,8 @@ class _Job:
     released: bool = False
     #: False once any worker reported the copy failed.
     ok: bool = True
+    #: A failed load was acted on (``_load_failed``): at the first rank's report, not the last.
+    failure_acted: bool = False
     #: Timed out: nobody waits for it any more, but its pins stay until every worker reported
     #: (a copy may still be writing into those device blocks / host slots).
     abandoned: bool = False
@@ -2426,9 +2432,36 @@ class KVCore:
         self._jobs[job.job_id] = job
         return job
 
-    def on_worker_meta(self, meta: CopyReport | None) -> None:
-        if meta is None:
-            return
+    def on_worker_meta(self, meta: CopyReport | None, invalid_block_ids: Collection[int] = ()) -> None:
+        """A step's reports, merged over the ranks (workers): ``meta`` (the copies each rank
+        finished) and ``invalid_block_ids`` (the blocks any rank failed to load).
+
+        A job completes — pins released, copies committed or published — once every rank
+        reported it: a rank still copying must not have its blocks handed on. A failed load acts
+        at the first rank's word (its failed result or its ids): its blocks leave the prefix
+        cache and its host copies are dropped in this step, before an offload that this report
+        confirms is committed (``_load_failed``).
+        """
+        if invalid_block_ids:
+            self._fail_loads_into(invalid_block_ids)
+        if meta is not None:
+            self._on_results(meta)
+        if self._suspect:
+            self._prune_suspect()
+
+    def _fail_loads_into(self, block_ids: Collection[int]) -> None:
+        """A rank failed to load into ``block_ids``: fail the loads in flight that target them."""
+        failed = set(block_ids)
+        for job in list(self._jobs.values()):
+            if job.kind == "load" and any(b.block_id in failed for b in job.device_blocks):
+                job.ok = False
+                try:
+                    self._load_failed(job)
+                except Exception:  # one bad job must not keep the step's results from completing
+                    self.stats.inc("errors.complete")
+                    log.exception("TokenCake: failing load job %d failed", job.job_id)
+
+    def _on_results(self, meta: CopyReport) -> None:
         if meta.disabled and self.copies_disabled is None:
             self._disable_copies(meta.disabled)
         # Loads first: a failed one marks the blocks computed from it (``_mark_suspect``) before
@@ -2445,6 +2478,8 @@ class KVCore:
                 # blocks another rank is still writing.
                 job.reports += res.workers
                 job.ok = job.ok and res.ok
+                if job.kind == "load" and not job.ok:
+                    self._load_failed(job)
                 if job.reports < self.num_workers:
                     continue
                 if job.abandoned:
@@ -2457,8 +2492,6 @@ class KVCore:
                 log.exception("TokenCake: completing job %d failed", job_id)
                 self._jobs.pop(job_id, None)
                 self._release(job)
-        if self._suspect:
-            self._prune_suspect()
 
     def _complete(self, job: _Job, *, ok: bool, seconds: float, error: str | None) -> None:
         self._jobs.pop(job.job_id, None)
@@ -2598,11 +2631,20 @@ class KVCore:
             for h, block in zip(job.hashes, job.device_blocks, strict=True):
                 self._copied[block.block_id] = h
         else:
-            # The host copy may be bad: drop it so nobody loads it again (vLLM recomputes).
-            for h in job.hashes:
-                self.host.drop(h)
-            first, ids = job.downstream
-            self._mark_suspect(job.req_id or "", first, ids)
+            self._load_failed(job)
+
+    def _load_failed(self, job: _Job) -> None:
+        """Act on a failed load once, at the first rank's report of it: its host copies may be
+        bad (dropped, so nobody loads them again; vLLM recomputes) and its blocks, and those
+        computed from them, leave the prefix cache (``_mark_suspect``). Its pins stay until every
+        rank reported (``_complete``)."""
+        if job.failure_acted:
+            return
+        job.failure_acted = True
+        for h in job.hashes:
+            self.host.drop(h)
+        first, ids = job.downstream
+        self._mark_suspect(job.req_id or "", first, ids)
 
     def _mark_suspect(self, req_id: str, first: int, block_ids: Sequence[int]) -> None:
         """A demand load of ``req_id`` failed from position ``first``: the failed blocks, and those

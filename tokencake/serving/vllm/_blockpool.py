@@ -23,6 +23,9 @@ Assumptions (vLLM 0.32):
   put an offloaded session's idle blocks first in line for eviction (``free_blocks`` alone can
   only put them last; ``free_blocks`` prepends hash-less blocks, so empty blocks lead the queue and
   a demoted block goes behind them). Like prefetch, reordering is off when :func:`check` fails.
+* ``reset_prefix_cache`` replaces ``cached_block_hash_to_block`` with a new map, and nothing else
+  does: :func:`cache_epoch` tells a device prefix-cache reset that vLLM did not pass on to the
+  connector (read only; on another version where the attribute is gone, no reset is seen).
 """
 
 from __future__ import annotations
@@ -108,6 +111,12 @@ def uncache(pool: BlockPool, block_ids: Iterable[int]) -> None:
     ids = set(block_ids)
     if ids:
         pool.evict_blocks(ids)
+
+
+def cache_epoch(pool: BlockPool) -> object:
+    """An object that stays the same until vLLM resets ``pool``'s prefix cache (compare with
+    ``is``, holding the old one: a new epoch never shares its identity while it is held)."""
+    return getattr(pool, "cached_block_hash_to_block", None)
 
 
 def num_free(pool: BlockPool) -> int:
@@ -276,6 +285,7 @@ __all__ = [
     "SUPPORTED",
     "allocate",
     "blocks_ahead",
+    "cache_epoch",
     "cached_block",
     "cached_chain",
     "check",

@@ -385,6 +385,11 @@ class TokenCakeConnector(KVConnectorBase_V1):
         if self.sched is not None:
             self.sched.stats.inc(f"errors.{hook}")
 
+    def _follow_pool_reset(self) -> None:
+        """First in every hook that serves, plans or commits a copy: a device-only prefix-cache
+        reset resets the host side too (``SchedulerSide.follow_pool_reset``)."""
+        self._ask("follow_pool_reset", lambda s: s.follow_pool_reset(), False)
+
     def _ask(self, hook: str, call: Callable[[SchedulerSide], Any], failed: Any) -> Any:
         """``call`` on the scheduler side; an exception is logged and counted (``errors.<hook>``)
         and answers ``failed``: it never reaches vLLM's scheduler loop."""
@@ -455,6 +460,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         if self.sched is None:
             return 0, False
+        self._follow_pool_reset()
         try:
             # None: a prefetch of this session is being copied; vLLM asks again next step.
             return self.sched.get_num_new_matched_tokens(request, num_computed_tokens), False
@@ -488,6 +494,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
             self.sched.stats.inc("engine.hook_seconds", self._hook_s)
             self.sched.stats.observe("engine.hook_ms_per_step", self._hook_s * 1000.0)
             self._hook_s = 0.0
+        self._follow_pool_reset()
         try:
             self.sched.observe_step(
                 getattr(scheduler_output, "total_num_scheduled_tokens", 0),
@@ -506,11 +513,14 @@ class TokenCakeConnector(KVConnectorBase_V1):
 
     @_timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The step's reports, merged over the ranks by vLLM (``SchedulerSide.on_worker_meta``)."""
         if self.sched is None:
             return
+        self._follow_pool_reset()
         try:
             meta = connector_output.kv_connector_worker_meta
-            self.sched.on_worker_meta(meta if isinstance(meta, TokenCakeWorkerMeta) else None)
+            invalid = getattr(connector_output, "invalid_block_ids", None) or ()
+            self.sched.on_worker_meta(meta if isinstance(meta, TokenCakeWorkerMeta) else None, invalid)
         except Exception:
             self._count_error("update_connector_output")
 
@@ -518,6 +528,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.sched is None:
             return False, None
+        self._follow_pool_reset()
         try:
             provenance = self.sched.request_finished(request)
         except Exception:
@@ -540,7 +551,8 @@ class TokenCakeConnector(KVConnectorBase_V1):
         return self._ask("device_copies_in_flight", lambda s: s.device_copies_in_flight(), 0)
 
     def reset_cache(self) -> bool | None:
-        """vLLM reset its prefix cache (e.g. new weights): host copies are stale, drop them all."""
+        """vLLM reset its prefix cache (e.g. new weights): host copies are stale, drop them all.
+        Called with ``reset_connector=True`` only; else ``_follow_pool_reset`` sees the reset."""
         if self.sched is None:
             return None
         return self._ask("reset_cache", lambda s: s.reset_cache(), False)
