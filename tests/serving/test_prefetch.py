@@ -361,3 +361,43 @@ def test_kept_room_goes_to_the_soonest_due_returns_that_fit() -> None:
     assert kept_room(due, cap=8) == {"first": 5, "late": 2}
     assert kept_room(due, cap=11) == {"first": 5, "big": 6}
     assert kept_room([], cap=8) == {}
+
+
+def test_a_stall_shared_by_concurrent_calls_is_due_when_the_last_of_them_is(
+    planner: PrefetchPlanner, clock: Clock
+) -> None:
+    t = clock.t
+    planner.begin("a", "s", predicted_s=4.0, h2d_s=0.4)  # lead 0.5 s: due at 3.5 s
+    plan = planner.retime("a", [(t, 4.0, "k/x"), (t + 0.1, 10.0, "k/y")])
+    assert plan is not None and plan.due_at == pytest.approx(t + 9.6)
+    assert plan.late_at == pytest.approx(t + 10.1) and plan.expires_at == pytest.approx(t + 60.1)
+    assert plan.predicted_s == pytest.approx(10.1) and plan.begin_at == t
+    plan = planner.retime("a", [(t, 4.0, "k/x")])  # the long call ended first: back to the short one's
+    assert plan is not None and plan.due_at == pytest.approx(t + 3.5) and plan.expires_at == t + 60.0
+    clock.t += 3.5
+    assert planner.due() == ["a"]
+    planner.mark_started("a")
+    plan = planner.retime("a", [(t, 4.0, "k/x"), (t + 1.0, 500.0, "k/y")])
+    assert plan is not None and plan.due_at == pytest.approx(t + 3.5)  # the upload already started
+    assert plan.expires_at == pytest.approx(t + 1.0 + 2000.0)
+    planner.end("a")
+    assert planner.retime("a", [(t, 4.0, "k/x")]) is None  # ended: nothing left to time
+    assert planner.retime("nope", [(t, 4.0, None)]) is None
+    assert planner.counts()["retimed"] == 3
+
+
+def test_a_shared_stall_learns_each_calls_return_not_its_own(clock: Clock) -> None:
+    planner = PrefetchPlanner(clock=clock, return_quantile=0.5, min_samples=1)
+    t = clock.t
+    planner.begin("a", "s", predicted_s=10.0, h2d_s=0.0, key="k/x")
+    clock.t += 20.0
+    planner.observe_return("k/x", t, 10.0, clock.t)  # ratio 2
+    planner.observe_return("k/y", t, 40.0, clock.t)  # ratio 0.5
+    planner.end("a", learn=False)
+    assert planner.stats()["return_ratio_samples"] == 2
+    assert planner.return_ratio("k/x") == pytest.approx(2.0)
+    assert planner.return_ratio("k/y") == pytest.approx(0.5)
+    planner.begin("b", "s", predicted_s=10.0, h2d_s=0.0, key="k/x")
+    clock.t += 5.0
+    planner.end("b")  # one call: the stall's own return (ratio 0.5)
+    assert planner.stats()["return_ratio_samples"] == 3

@@ -195,6 +195,43 @@ class PlannerMachine(RuleBasedStateMachine):
             assert after.state == b.state
 
     @precondition(lambda self: self.planner is not None)
+    @rule(
+        data=st.data(),
+        calls=st.lists(
+            st.tuples(st.floats(0, 5), estimates, st.sampled_from([None, "a/search", "b/test"])),
+            min_size=1,
+            max_size=3,
+        ),
+    )
+    def retime(self, data: st.DataObject, calls: list[tuple[float, float, str | None]]) -> None:
+        """Concurrent calls of one session share the plan: it is timed by the last of them."""
+        sid, before, counts = self._target(data), self._open(), self.p.counts()
+        timed = [(self.now - back, predicted, key) for back, predicted, key in calls]
+        result = self.p.retime(sid, timed)
+        assert self._settle(before, counts) == {}  # retiming closes nothing
+        if sid not in before or before[sid].ended_at is not None:
+            assert result is None
+            return
+        b, after = before[sid], self.p.get(sid)
+        assert result is not None and after is not None and after.state == b.state
+        preds = [p if math.isfinite(p) and p > 0 else 0.0 for _b, p, _k in timed]
+        assert after.expires_at == pytest.approx(
+            max(at + min(max(4 * p, 60.0), 3600.0) for (at, _p, _k), p in zip(timed, preds, strict=True))
+        )
+        assert after.predicted_s == pytest.approx(
+            max(at + p for (at, _p, _k), p in zip(timed, preds, strict=True)) - b.begin_at
+        )
+        if b.state == "waiting":
+            dues = [
+                at + max(self.p.return_ratio(key) * p - b.lead_s, 0.0)
+                for (at, _p, key), p in zip(timed, preds, strict=True)
+            ]
+            assert after.due_at == pytest.approx(max(dues), rel=1e-9, abs=1e-9)
+            assert math.isfinite(after.due_at)
+        else:
+            assert after.due_at == b.due_at
+
+    @precondition(lambda self: self.planner is not None)
     @rule(data=st.data(), reason=st.sampled_from(["prefetch_failed", "timeout", "expired"]))
     def cancel(self, data: st.DataObject, reason: str) -> None:
         sid, before, counts = self._target(data), self._open(), self.p.counts()

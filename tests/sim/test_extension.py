@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tokencake.serving.options import Options
 from tokencake.sim.engine import Engine, Request, Session
 from tokencake.sim.extension import KVExtension, _Arrival, _Hold, _Job
@@ -390,3 +392,39 @@ def test_a_due_return_is_uploaded_ahead_of_the_queue_and_its_room_kept() -> None
     assert counters(engine)["return_reserve.denials"] == 1
     engine.running.clear()
     assert ext.make_room(agent, free - 2) is False  # nothing runs: never idle the engine
+
+
+def test_parallel_tool_calls_of_a_session_share_its_stall() -> None:
+    """As the connector: a tool call that begins while its session's stall is open joins it: the
+    chain is saved once, its upload is due for the last call's return, the stall stays open
+    until every call ended, each call teaches its own tool's forecast, and the next request is
+    accounted once."""
+    engine, ext, a = _saved_stall()  # call st1: tool t, 20 s
+    ext.stall_begin(a, "st2", "u", 40.0)
+    stall = ext._session_stall["a"]
+    assert stall.stall_id == "st1" and list(ext._stalls) == ["st1"]
+    assert list(ext._call_stall) == ["st1", "st2"]
+    assert counters(engine)["stalls"] == 1 and counters(engine)["stalls.joined"] == 1
+    assert len(ext.host.owned_by("st1")) == 3 and ext.host.owned_by("st2") == []
+    plan = ext.planner.get("st1")
+    assert plan is not None and ext.planner.get("st2") is None
+    assert plan.due_at == pytest.approx(engine.now + 0.5 * 40.0 - plan.lead_s)  # the prior ratio × st2's
+    engine.cache.release(engine.cache.allocate(engine.cache.num_free))  # saved, then evicted
+    engine.idle_until(engine.now + 15.0)  # past st1's due time (10 s), before st2's (20 s)
+    assert ext.planner.get("st1").state == "waiting"  # type: ignore[union-attr]
+    engine.idle_until(engine.now + 4.0)
+    ext.stall_end("st1", 19.5)
+    assert ext._session_stall["a"] is stall and stall.ended_at is None
+    assert ext.forecaster.key_stats("agent", "t")["samples"] == 1  # type: ignore[index]
+    assert ext.forecaster.key_stats("agent", "u") is None
+    engine.idle_until(engine.now + 21.0)
+    ext.stall_end("st2", 40.0)
+    assert "a" not in ext._session_stall and ext._call_stall == {} and ext._last_stall["a"] is stall
+    assert ext.forecaster.key_stats("agent", "u")["samples"] == 1  # type: ignore[index]
+    assert ext.planner.stats()["return_ratio_samples"] == 2
+    engine.submit(Request(1, a, prompt_tokens=17, output_tokens=1, arrival=engine.now))
+    run(engine)
+    c = counters(engine)
+    assert c["next_turn.requests"] == 1 and c["readiness.eligible"] == 1 and c["readiness.prefetched"] == 1
+    assert ext.planner.counts()["on_time"] == 1 and ext.planner.counts()["planned"] == 1
+    assert ext.host.owned_by("st1") == [] and ext._stalls == {}

@@ -11,7 +11,8 @@ medians, tool times are heavy-tailed), and aiming at the median is late for half
 the due time makes it due at once. Prefetched blocks sit in the device prefix cache at the
 evictable end, never pinned; if they are evicted while the tool still runs, the upload is due
 again (at most ``max_prefetches`` uploads per stall). If no end arrives by
-``clamp(4 × predicted, 60 s, 1 h)`` the stall expires and its host pins should be released.
+``clamp(4 × predicted, 60 s, 1 h)`` the stall expires and its host pins should be released. A
+stall that concurrent tool calls of one session share is timed by the last of them (``retime``).
 
 Every stall gets exactly one classification, at the session's next request or at expiry:
 ``on_time`` (blocks on device when the request came), ``late`` (prefetch in flight at arrival —
@@ -30,7 +31,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -226,22 +227,18 @@ class PrefetchPlanner:
         predicted = predicted_s if math.isfinite(predicted_s) and predicted_s > 0 else 0.0
         lead = _finite(h2d_s) + _finite(wait_s) + self.safety_margin_s
         with self._lock:
-            ratio = self._ratio_locked(key)
-            late = self._ratio_locked(key, late=True)
+            due_at, late_at, expires_at = self._timing_locked(t, predicted, lead, key, mode)
         plan = PlannedStall(
             stall_id=stall_id,
             session_id=session_id,
             begin_at=t,
             predicted_s=predicted,
             lead_s=lead,
-            due_at=t + max(ratio * predicted - lead, 0.0) if mode == "predictive" else math.inf,
+            due_at=due_at,
             key=key,
             mode=mode,
-            late_at=t + late * predicted if mode == "predictive" else math.inf,
-            expires_at=t
-            + stall_expiry_s(
-                predicted, factor=self.expiry_factor, min_s=self.expiry_min_s, max_s=self.expiry_max_s
-            ),
+            late_at=late_at,
+            expires_at=expires_at,
         )
         with self._lock:
             self._stalls[stall_id] = plan
@@ -253,15 +250,38 @@ class PrefetchPlanner:
             self._count("planned")
             return dataclasses.replace(plan)
 
-    def end(self, stall_id: str, *, now: float | None = None) -> PlannedStall | None:
-        """The tool returned: a not-yet-started upload (or one whose blocks were evicted) is due now."""
+    def retime(self, stall_id: str, calls: Sequence[tuple[float, float, str | None]]) -> PlannedStall | None:
+        """The stall's open tool calls changed (concurrent calls of one session share its chain,
+        ``tokencake.serving.stall_calls``): the upload is due when the last of ``calls``
+        ``(begin_at, predicted_s, key)`` is, each timed as :meth:`begin` times a stall, and the
+        late end and expiry are the latest of theirs. Only an upload still waiting moves; returns
+        a copy of the plan, None when it is not open (or ended)."""
+        with self._lock:
+            plan = self._stalls.get(stall_id)
+            if plan is None or plan.ended_at is not None or not calls:
+                return None
+            timed = [self._timing_locked(b, p, plan.lead_s, key, plan.mode) for b, p, key in calls]
+            if plan.state == "waiting":
+                plan.due_at = max(due for due, _late, _exp in timed)
+            plan.late_at = max(late for _due, late, _exp in timed)
+            plan.expires_at = max(exp for _due, _late, exp in timed)
+            plan.predicted_s = max(b + _finite(p) for b, p, _key in calls) - plan.begin_at
+            self._count("retimed")
+            return dataclasses.replace(plan)
+
+    def end(self, stall_id: str, *, now: float | None = None, learn: bool = True) -> PlannedStall | None:
+        """The tool returned: a not-yet-started upload (or one whose blocks were evicted) is due now.
+
+        ``learn``: the stall's return teaches the return-time ratios of its key. A stall shared
+        by concurrent calls passes False and reports each call instead (:meth:`observe_return`)."""
         t = self._now(now)
         with self._lock:
             plan = self._stalls.get(stall_id)
             if plan is None or plan.ended_at is not None:
                 return None
             plan.ended_at = t
-            self._learn_locked(plan, t)
+            if learn:
+                self._learn_locked(plan.key, plan.begin_at, plan.predicted_s, t)
             if plan.mode == "none":
                 pass  # the next request loads on demand
             elif plan.state == "evicted":
@@ -511,12 +531,29 @@ class PrefetchPlanner:
         with self._lock:
             return self._ratio_locked(key)
 
-    def _learn_locked(self, plan: PlannedStall, ended_at: float) -> None:
-        key = plan.key
-        if plan.predicted_s <= 0:
+    def observe_return(self, key: str | None, begin_at: float, predicted_s: float, ended_at: float) -> None:
+        """Learn the return of one tool call of a stall shared by several (``end(learn=False)``)."""
+        with self._lock:
+            self._learn_locked(key, begin_at, predicted_s, ended_at)
+
+    def _timing_locked(
+        self, begin_at: float, predicted_s: float, lead_s: float, key: str | None, mode: str
+    ) -> tuple[float, float, float]:
+        """``(due_at, late_at, expires_at)`` of a stall of ``key`` (the module docstring's rule)."""
+        predicted = _finite(predicted_s)
+        expires_at = begin_at + stall_expiry_s(
+            predicted, factor=self.expiry_factor, min_s=self.expiry_min_s, max_s=self.expiry_max_s
+        )
+        if mode != "predictive":
+            return math.inf, math.inf, expires_at
+        due_at = begin_at + max(self._ratio_locked(key) * predicted - lead_s, 0.0)
+        return due_at, begin_at + self._ratio_locked(key, late=True) * predicted, expires_at
+
+    def _learn_locked(self, key: str | None, begin_at: float, predicted_s: float, ended_at: float) -> None:
+        if _finite(predicted_s) <= 0:
             return
         # Bounded: one runaway tool must not move the quantile to infinity.
-        ratio = min(max(ended_at - plan.begin_at, 0.0) / plan.predicted_s, 100.0)
+        ratio = min(max(ended_at - begin_at, 0.0) / predicted_s, 100.0)
         self._ratios.append(ratio)
         if key is None:
             return

@@ -33,6 +33,7 @@ from tokencake.serving.policies import KVPolicy, Plan, PolicyView, make_policy
 from tokencake.serving.prefetch import PrefetchPlanner, kept_room, miss_reason, stall_expiry_s
 from tokencake.serving.sessions import BlockUsers
 from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank, reserved_sessions
+from tokencake.serving.stall_calls import StallCalls, ToolCall
 
 if TYPE_CHECKING:
     from tokencake.sim.engine import Engine, Request, Session
@@ -45,6 +46,8 @@ DEMOTE_EXACT = 16
 
 @dataclass(eq=False)
 class _Stall:
+    """A session's idle chain; its concurrent tool calls share it (the connector's ``_Stall``)."""
+
     stall_id: str
     session: Session
     tool: str
@@ -71,6 +74,11 @@ class _Stall:
     reserve_from: float = math.inf
     reserve_until: float = math.inf
     reserve_blocks: int | None = None
+    calls: StallCalls = field(init=False)
+
+    def __post_init__(self) -> None:
+        first = ToolCall(self.stall_id, self.session.agent_type, self.tool, self.begin_at, self.predicted_s)
+        self.calls = StallCalls(first)
 
     @property
     def returns_at(self) -> float:
@@ -159,6 +167,7 @@ class KVExtension:
         #: Block key -> the active stalls whose chain holds it (a shared prompt: several).
         self._stall_users = BlockUsers()
         self._session_stall: dict[str, _Stall] = {}  # session -> its active stall
+        self._call_stall: dict[str, _Stall] = {}  # open tool call -> the active stall it shares
         self._last_stall: dict[str, _Stall] = {}  # session -> its last ended stall (next-turn accounting)
         self._chains: dict[str, list[bytes]] = {}  # session -> keys of its last finished request
         self._jobs: list[_Job] = []
@@ -450,11 +459,17 @@ class KVExtension:
     def _add_stall(self, stall: _Stall) -> None:
         self._stalls[stall.stall_id] = stall
         self._stall_users.add(stall.stall_id, stall.keys)
+        self._session_stall[stall.session.session_id] = stall
+        self._call_stall[stall.stall_id] = stall
 
     def _pop_stall(self, stall_id: str) -> _Stall | None:
         stall = self._stalls.pop(stall_id, None)
         if stall is not None:
             self._stall_users.remove(stall_id, stall.keys)
+            if self._session_stall.get(stall.session.session_id) is stall:
+                del self._session_stall[stall.session.session_id]
+            for call_id in stall.calls.open:
+                self._call_stall.pop(call_id, None)
         return stall
 
     def _demote(self, stall: _Stall) -> None:
@@ -793,7 +808,7 @@ class KVExtension:
         if stall.ended_at is not None:
             until = stall.ended_at + self.opts.keep_after_end_s
         else:
-            until = stall.begin_at + self._expiry(stall.predicted_s)
+            until = stall.calls.deadline(self._expiry)
         self._hold(stall.session.session_id, blocks, until, rank=stall.returns_at, kind="hold")
 
     def _expiry(self, predicted: float) -> float:
@@ -1023,6 +1038,10 @@ class KVExtension:
 
     def stall_begin(self, session: Session, stall_id: str, tool: str, hint_s: float) -> None:
         fc = self.forecaster.predict(session.agent_type, tool, hint_s or None)
+        shared = self._session_stall.get(session.session_id)
+        if shared is not None:  # a parallel tool call: it shares the session's stall (as the connector)
+            self._join(shared, ToolCall(stall_id, session.agent_type, tool, self.now, fc.seconds))
+            return
         keys = tuple(self._chains.get(session.session_id, ()))
         stall = _Stall(stall_id, session, tool, self.now, fc.seconds, keys)
         stall.critical = self._critical.get(session.session_id, False)
@@ -1030,9 +1049,30 @@ class KVExtension:
             self.transfer.estimate("h2d", len(keys) * self.profile.block_bytes) + self.opts.prefetch_margin_s
         )
         self._add_stall(stall)
-        self._session_stall[session.session_id] = stall
         self.stats["stalls"] += 1
         self._evaluate(stall)
+
+    def _join(self, stall: _Stall, call: ToolCall) -> None:
+        """As the connector's ``_join``: the stall lasts until the last of its calls returns."""
+        later = stall.calls.join(call)
+        self._call_stall[call.stall_id] = stall
+        self.stats["stalls.joined"] += 1
+        if not later:
+            return
+        self._retime(stall)
+        if not stall.offloaded and math.isfinite(stall.retry_at):
+            stall.retry_s = 0.0
+            self._schedule_retry(stall, self.now)
+
+    def _retime(self, stall: _Stall) -> None:
+        """As the connector's: return, plan, kept-room window and eviction place follow the calls."""
+        stall.predicted_s = stall.calls.returns_at - stall.begin_at
+        if stall.offloaded:
+            plan = self.planner.retime(stall.stall_id, stall.calls.timings())
+            if plan is not None:
+                stall.reserve_from, stall.reserve_until = plan.due_at, plan.late_at
+        if stall in self._demoted:
+            self._demote(stall)
 
     def _evaluate(self, stall: _Stall) -> None:
         chain = self._chain(stall.keys)
@@ -1101,30 +1141,37 @@ class KVExtension:
             now=stall.begin_at,
             mode=plan.prefetch,
         )
+        if stall.calls.shared:
+            planned = self.planner.retime(stall.stall_id, stall.calls.timings()) or planned
         stall.reserve_from, stall.reserve_until = planned.due_at, planned.late_at
         if not self._offload_pending(stall):
             self._demote(stall)
 
     def stall_end(self, stall_id: str, duration_s: float) -> None:
-        stall = self._pop_stall(stall_id)
-        if stall is None:
+        stall = self._call_stall.pop(stall_id, None)
+        call = stall.calls.leave(stall_id) if stall is not None else None
+        if stall is None or call is None:
             return
+        self.policy.observe_stall_end(call.key, duration_s)
+        self.forecaster.observe(call.agent_type, call.tool, duration_s, call.predicted_s)
+        if stall.calls.shared and self.planner.is_open(stall.stall_id):
+            self.planner.observe_return(call.key, call.begin_at, call.predicted_s, self.now)
+        if stall.calls.open:  # another call of the session still runs
+            self._retime(stall)
+            return
+        self._pop_stall(stall.stall_id)
         sid = stall.session.session_id
-        if self._session_stall.get(sid) is stall:
-            del self._session_stall[sid]
         stall.ended_at = self.now
         held = self._holds.get(sid)
         if held is not None:
             held.until = min(held.until, self.now + self.opts.keep_after_end_s)
-        self.policy.observe_stall_end(f"{stall.session.agent_type}/{stall.tool}", duration_s)
-        self.forecaster.observe(stall.session.agent_type, stall.tool, duration_s, stall.predicted_s)
         self._last_stall[sid] = stall
         self._promote(stall)
-        plan = self.planner.get(stall_id)
+        plan = self.planner.get(stall.stall_id)
         if plan is not None:
             if plan.state == "on_device" and not stall.topup and not self._chain_on_device(stall):
-                self.planner.mark_evicted(stall_id, now=self.now, retry=False)
-            self.planner.end(stall_id, now=self.now)
+                self.planner.mark_evicted(stall.stall_id, now=self.now, retry=False)
+            self.planner.end(stall.stall_id, now=self.now, learn=not stall.calls.shared)
 
     def _chain_on_device(self, stall: _Stall) -> bool:
         dev = self.cache.by_key
@@ -1177,9 +1224,7 @@ class KVExtension:
                 self._try_topup(stall)
         self._short_pass = False  # the step after the pass that set it is over
         for stall_id in self.planner.expired(now):
-            stall = self._pop_stall(stall_id)
-            if stall is not None and self._session_stall.get(stall.session.session_id) is stall:
-                del self._session_stall[stall.session.session_id]
+            self._pop_stall(stall_id)
             self.host.release(stall_id)
 
     def _schedule_retry(self, stall: _Stall, at: float) -> None:

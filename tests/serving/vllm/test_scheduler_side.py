@@ -78,25 +78,29 @@ def request(
     )
 
 
-def begin(stall_id: str = "s1", session: str = "run:A", predicted: float | None = 10.0) -> StallBegin:
+def begin(
+    stall_id: str = "s1", session: str = "run:A", predicted: float | None = 10.0, *, tool: str = "search"
+) -> StallBegin:
     return StallBegin(
         stall_id=stall_id,
         session_id=session,
         run_id="run",
         node="A",
-        tool="search",
+        tool=tool,
         predicted_s=predicted,
         ts=0,
     )
 
 
-def end(stall_id: str = "s1", session: str = "run:A", duration: float = 1.0) -> StallEnd:
+def end(
+    stall_id: str = "s1", session: str = "run:A", duration: float = 1.0, *, tool: str = "search"
+) -> StallEnd:
     return StallEnd(
         stall_id=stall_id,
         session_id=session,
         run_id="run",
         node="A",
-        tool="search",
+        tool=tool,
         duration_s=duration,
         ts=0,
     )
@@ -1950,11 +1954,13 @@ def test_infercept_discard_puts_the_session_first_in_line(pool: BlockPool, clock
 def test_random_decisions_never_leak_a_pin_or_publish_an_unconfirmed_block(
     pool: BlockPool, clock: Clock, seed: int
 ) -> None:
+    """Random policy decisions, copy outcomes, evictions and tool calls (parallel ones too)."""
     rng = random.Random(seed)
     side = make_side(pool, clock, policy="random", policy_seed=seed, host_blocks=10)
     sessions = [f"run:{c}" for c in "ABC"]
     turns = dict.fromkeys(sessions, 0)
-    open_stall: dict[str, str] = {}
+    open_calls: dict[str, list[str]] = {}  # session -> its tool calls running
+    calls = 0
     pending: list[TokenCakeMetadata] = []
     confirmed: set[bytes] = set()  # hashes of offload copies the worker confirmed
 
@@ -1968,9 +1974,16 @@ def test_random_decisions_never_leak_a_pin_or_publish_an_unconfirmed_block(
     for _ in range(120):
         s = rng.choice(sessions)
         roll = rng.random()
-        if s in open_stall and roll < 0.4:
-            side.handle_event(end(open_stall.pop(s), s, rng.uniform(0.1, 5.0)))
-        elif s not in open_stall and roll < 0.5 and bp.num_free(pool) >= 4:
+        if s in open_calls and roll < 0.4:
+            running = open_calls[s]
+            side.handle_event(end(running.pop(rng.randrange(len(running))), s, rng.uniform(0.1, 5.0)))
+            if not running:
+                del open_calls[s]
+        elif s in open_calls and roll < 0.5:  # a parallel call of the same turn
+            calls += 1
+            side.handle_event(begin(f"{s}-call{calls}", s, rng.uniform(0.5, 5.0)))
+            open_calls[s].append(f"{s}-call{calls}")
+        elif s not in open_calls and roll < 0.5 and bp.num_free(pool) >= 4:
             turns[s] += 1
             finish_turn(
                 side,
@@ -1981,9 +1994,9 @@ def test_random_decisions_never_leak_a_pin_or_publish_an_unconfirmed_block(
                 next_tool=rng.choice([None, 2.0]),
                 admit=True,
             )
-            sid = f"{s}-st{turns[s]}"
-            side.handle_event(begin(sid, s, rng.uniform(0.5, 5.0)))
-            open_stall[s] = sid
+            calls += 1
+            side.handle_event(begin(f"{s}-call{calls}", s, rng.uniform(0.5, 5.0)))
+            open_calls[s] = [f"{s}-call{calls}"]
         elif roll < 0.6:
             evict_all(pool)
         clock.t += rng.uniform(0.0, 1.0)
@@ -1996,8 +2009,16 @@ def test_random_decisions_never_leak_a_pin_or_publish_an_unconfirmed_block(
         # The host pool only ever serves blocks whose copy a worker confirmed.
         held = {side.host.hash_of(slot) for slot in range(side.host.num_blocks)} - {None}
         assert held <= confirmed
+        # One active stall per session, mapping exactly its open calls.
+        assert sorted(side._session_stall) == sorted(st.session_id for st in side._stalls.values())
+        assert side._call_stall == {c: st.stall_id for st in side._stalls.values() for c in st.calls.open}
+    for s, running in open_calls.items():
+        for sid in running:
+            side.handle_event(end(sid, s))
+    pending.append(side.build_meta())
     for meta in pending:
         settle(meta, ok=True)
+    assert side._stalls == {} and side._call_stall == {} and side._session_stall == {}
     side.shutdown()
     assert not pinned(pool), pinned(pool)
     assert not side._jobs
@@ -2897,3 +2918,219 @@ def test_an_upload_in_flight_counts_against_the_kept_room(pool: BlockPool, clock
     answer(side, TokenCakeMetadata([job]))
     side.build_meta()
     assert side._returning == {} and "run:A" in side._kept  # held now
+
+
+# ---- concurrent tool calls of one session (the SDK runs a turn's tool calls at once)
+
+
+def _parallel_calls(
+    side: SchedulerSide, pool: BlockPool, first: float, second: float
+) -> tuple[list[bytes], Any]:
+    """Session A's 3-block chain; tool calls ``A`` (``first`` s, search) and ``B`` (``second`` s,
+    fetch) begin together; the chain is offloaded (once) and evicted from device."""
+    hashes = chain("par", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin("A", predicted=first, tool="search"))
+    side.handle_event(begin("B", predicted=second, tool="fetch"))
+    meta = side.build_meta()
+    (job,) = meta.jobs  # one chain, one copy
+    assert job.kind == "offload"
+    answer(side, meta)
+    evict_all(pool)
+    stall = side._active_stall("run:A")
+    assert stall is not None and stall.stall_id == "A" and list(side._stalls) == ["A"]
+    assert len(side.host.owned_by(stall_owner("A"))) == 3 and side.host.owned_by(stall_owner("B")) == []
+    assert side.stats.counter("stalls.joined") == 1
+    assert side.stats.counter("stalls.decision.offload") == 1  # one chain, decided once
+    return hashes, stall
+
+
+def _samples(side: SchedulerSide, tool: str) -> int:
+    """Durations the forecaster learned for ``tool`` (agent type ``A``, the begins' node)."""
+    key = side.forecaster.key_stats("A", tool)
+    return 0 if key is None else int(key["samples"])
+
+
+def _resume(side: SchedulerSide, pool: BlockPool, hashes: list[bytes], on_device: bool) -> Any:
+    """The session's next request arrives and is admitted (a demand load when not on device)."""
+    req = request("r2", [*hashes, *chain("n", 1)], 4 * BS + 1)
+    side.on_new_request(req)
+    if on_device:
+        assert side.get_num_new_matched_tokens(req, 3 * BS) == 0
+        admit(side, pool, req, hashes)
+        return req
+    assert side.get_num_new_matched_tokens(req, 0) == 3 * BS
+    allocated = bp.allocate(pool, 5)
+    side.update_state_after_alloc(req, [b.block_id for b in allocated], 3 * BS)
+    (load,) = side.build_meta().jobs
+    answer(side, TokenCakeMetadata([load]))
+    bp.release(pool, allocated)
+    return req
+
+
+def _nothing_left(side: SchedulerSide, pool: BlockPool, clock: Clock) -> None:
+    """No stall open or eligible for kept room, no call mapped, no host or device pin left."""
+    assert side._stalls == {} and side._session_stall == {} and side._call_stall == {}
+    assert side._reserve_returns(clock.t) == {} and side._returning == {}
+    assert side.host.owned_by(stall_owner("A")) == [] and side.host.owned_by(stall_owner("B")) == []
+    assert side.host.num_reclaimable == side.host.num_blocks - side.host.num_free
+    assert_no_pins(pool)
+
+
+def test_parallel_tool_calls_share_one_stall_due_back_when_the_last_returns(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Begin A (5 s), begin B (20 s), end A, end B: one stall, offloaded once, uploaded for B's
+    return (not A's), open until B ends; each call teaches its own tool's forecast; the next
+    request is accounted once and releases everything."""
+    side = make_side(pool, clock, return_reserve="on")
+    hashes, stall = _parallel_calls(side, pool, 5.0, 20.0)
+    plan = side.planner.get("A")
+    assert plan is not None and plan.due_at == pytest.approx(plan.begin_at + 10.0 - plan.lead_s)
+    assert plan.late_at == pytest.approx(plan.begin_at + 40.0) and stall.predicted_s == pytest.approx(20.0)
+    assert side.planner.get("B") is None
+    clock.t += 6.0
+    side.handle_event(end("A", duration=6.0, tool="search"))
+    assert side.build_meta().jobs == []  # A is back, B still runs: nothing due yet
+    assert side._active_stall("run:A") is stall and stall.ended_at is None
+    assert (_samples(side, "search"), _samples(side, "fetch")) == (1, 0)
+    assert side._returning == {}
+    clock.t = plan.due_at + 0.01
+    (job,) = side.build_meta().jobs
+    assert job.kind == "prefetch" and job.device_blocks
+    answer(side, TokenCakeMetadata([job]))
+    clock.t += 10.0
+    side.handle_event(end("B", duration=20.0, tool="fetch"))
+    side.build_meta()
+    assert side._active_stall("run:A") is None and stall.ended_at == clock.t
+    assert (_samples(side, "search"), _samples(side, "fetch")) == (1, 1)
+    assert side.planner.stats()["return_ratio_samples"] == 2  # one per call, with its own forecast
+    _resume(side, pool, hashes, on_device=True)
+    assert side.stats.counter("next_turn.requests") == 1
+    assert side.stats.counter("readiness.eligible") == 1 and side.stats.counter("readiness.prefetched") == 1
+    assert side.planner.counts()["on_time"] == 1 and side.planner.counts()["planned"] == 1
+    assert side.stats.counter("stalls.final_decision.offload") == 1
+    assert side.stats.counter("events.inferred_end") == 0
+    _nothing_left(side, pool, clock)
+
+
+def test_a_parallel_call_ending_first_keeps_the_stall_open_for_the_other(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Begin A (20 s), begin B (5 s), end B: the stall stays open (A runs) and stays mapped to
+    the session, so when A's end is lost the next request still ends it; A's late end is a
+    duplicate, and nothing stays pinned or eligible for kept room."""
+    side = make_side(pool, clock, return_reserve="on")
+    hashes, stall = _parallel_calls(side, pool, 20.0, 5.0)
+    clock.t += 5.0
+    side.handle_event(end("B", duration=5.0, tool="fetch"))
+    side.build_meta()
+    assert side._active_stall("run:A") is stall and stall.ended_at is None
+    assert (_samples(side, "search"), _samples(side, "fetch")) == (0, 1)
+    clock.t += 1.0
+    _resume(side, pool, hashes, on_device=False)  # A's end never came
+    assert side.stats.counter("events.inferred_end") == 1  # A's only: B's end was delivered
+    assert stall.ended_at is not None and stall.resumed and stall.accounted
+    assert side.stats.counter("next_turn.requests") == 1
+    assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 0
+    assert side.planner.counts()["superseded_by_request"] == 1
+    assert side.handle_event(end("A", duration=30.0, tool="search")).status == "duplicate"
+    side.build_meta()
+    assert (_samples(side, "search"), _samples(side, "fetch")) == (1, 1)  # the inferred end
+    _nothing_left(side, pool, clock)
+
+
+def test_the_next_request_before_any_parallel_call_ended_ends_them_all_once(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Both ends lost: the next request ends both calls (one inferred end each), the stall once;
+    its plan is classified once and the late ends are duplicates."""
+    side = make_side(pool, clock, return_reserve="on")
+    hashes, stall = _parallel_calls(side, pool, 5.0, 20.0)
+    clock.t += 1.0
+    _resume(side, pool, hashes, on_device=False)
+    assert side.stats.counter("events.inferred_end") == 2
+    assert stall.ended_at is not None and stall.accounted
+    assert side.stats.counter("next_turn.requests") == 1
+    assert side.planner.counts()["superseded_by_request"] == 1
+    assert (_samples(side, "search"), _samples(side, "fetch")) == (1, 1)
+    for sid, tool in (("A", "search"), ("B", "fetch")):
+        assert side.handle_event(end(sid, duration=30.0, tool=tool)).status == "duplicate"
+    side.build_meta()
+    _nothing_left(side, pool, clock)
+
+
+def test_a_parallel_call_without_an_end_expires_alone_while_the_other_runs(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Each call gets exactly one end or expiry: A (5 s) passes its own deadline (60 s) and
+    expires while B (100 s, deadline 400 s) runs; the stall then lives on B's schedule alone."""
+    side = make_side(pool, clock)
+    _hashes, stall = _parallel_calls(side, pool, 5.0, 100.0)
+    plan = side.planner.get("A")
+    assert plan is not None and plan.expires_at == pytest.approx(plan.begin_at + 400.0)
+    clock.t += side.opts.expiry_min_s + 1.0
+    answer(side, side.build_meta())  # (B's upload was due at 50 s)
+    assert side.stats.counter("stalls.expired.no_stall_end") == 1
+    record = side.sessions.stall("A")
+    assert record is not None and record.state == "expired"
+    assert side._active_stall("run:A") is stall and list(stall.calls.open) == ["B"]
+    assert len(side.host.owned_by(stall_owner("A"))) == 3  # the chain stays pinned for B
+    side.handle_event(end("A", duration=70.0))  # a late end of an expired call changes nothing
+    side.build_meta()
+    assert _samples(side, "search") == 0 and side._active_stall("run:A") is stall
+    clock.t = plan.begin_at + 400.0
+    side.build_meta()
+    assert side.stats.counter("stalls.expired.no_stall_end") == 2
+    assert side.planner.counts()["expired"] == 1
+    _nothing_left(side, pool, clock)
+
+
+def test_a_longer_parallel_call_asks_again_for_a_stall_too_short_to_offload(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """A's 0.1 ms call is too short to save; B joins with 30 s: the stall is asked again at once
+    (not after its retry back-off) and offloaded, timed by B's return."""
+    side = make_side(pool, clock)
+    finish_turn(side, pool, chain("short", 3))
+    side.handle_event(begin("A", predicted=0.0001))
+    assert side.build_meta().jobs == []
+    stall = side._active_stall("run:A")
+    assert stall is not None and stall.decision == "too_short"
+    side.handle_event(begin("B", predicted=30.0, tool="fetch"))
+    (job,) = side.build_meta().jobs
+    assert job.kind == "offload" and stall.decision == "offload"
+    plan = side.planner.get("A")
+    assert plan is not None and plan.due_at == pytest.approx(plan.begin_at + 15.0 - plan.lead_s, abs=0.01)
+    assert side.sessions.stall("B").decision == "offload"  # type: ignore[union-attr]
+    answer(side, TokenCakeMetadata([job]))
+
+
+def test_derived_tool_calls_of_two_requests_in_flight_share_the_stall_and_end_together(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """Without events, two requests of a session in flight at once each begin a derived call when
+    they finish; the second joins the first's stall, and the session's next request ends both."""
+    side = make_side(pool, clock)
+    hashes = chain("d2", 3)
+    reqs = [request(f"r{i}", hashes, 3 * BS + 2, next_tool=4.0, events=False) for i in (1, 2)]
+    for req in reqs:
+        side.on_new_request(req)
+        side.update_state_after_alloc(req, [], 0)
+    blocks = cache_blocks(pool, hashes)
+    for req in reqs:
+        req.num_computed_tokens = 3 * BS + 1
+        side.request_finished(req)
+    bp.release(pool, blocks)
+    side.build_meta()
+    (stall,) = side._stalls.values()
+    assert stall.stall_id == "derived:r1" and list(stall.calls.open) == ["derived:r1", "derived:r2"]
+    clock.t += 3.0
+    nxt = request("r3", [*hashes, *chain("e", 1)], 4 * BS + 1, events=False)
+    side.on_new_request(nxt)
+    assert side.stats.counter("events.derived_end") == 2
+    side.get_num_new_matched_tokens(nxt, 3 * BS)
+    admit(side, pool, nxt, hashes)
+    assert stall.ended_at is not None and stall.accounted and side._stalls == {}
+    assert side.stats.counter("next_turn.requests") == 1
+    assert side.sessions.active_stalls() == []

@@ -68,6 +68,7 @@ from tokencake.serving.prefetch import PrefetchPlanner, kept_room, miss_reason, 
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.sessions import BlockUsers, ByteLRU, SessionTracker, StallTransition, hashes_nbytes
 from tokencake.serving.spatial import CRITICAL_WATCH, demote_rank, reserved_sessions
+from tokencake.serving.stall_calls import StallCalls, ToolCall
 from tokencake.serving.stats import Stats
 
 log = logging.getLogger("vllm.tokencake")
@@ -131,7 +132,12 @@ class _Job:
 
 @dataclass
 class _Stall:
-    """The engine thread's view of one active (or just ended) stall."""
+    """The engine thread's view of one active (or just ended) stall: a session's idle chain.
+
+    Named by its first tool call; calls of the session that begin while it is open share it
+    (``calls``, ``tokencake.serving.stall_calls``): ``agent_type`` / ``tool`` are the first
+    call's, ``predicted_s`` spans from ``begin_at`` to the latest return of the open calls.
+    """
 
     stall_id: str
     session_id: str
@@ -178,10 +184,16 @@ class _Stall:
     #: ...and the blocks of its chain that need room, counted once when that window opens (the
     #: run that could come back, less the blocks others reference); its own hold is subtracted.
     reserve_blocks: int | None = None
+    #: The tool calls that share it, open ones (the first call included until it ends).
+    calls: StallCalls = field(init=False)
+
+    def __post_init__(self) -> None:
+        first = ToolCall(self.stall_id, self.agent_type, self.tool, self.begin_at, self.predicted_s)
+        self.calls = StallCalls(first)
 
     @property
     def returns_at(self) -> float:
-        """Predicted end of the tool call (server clock)."""
+        """Predicted end of the last of its tool calls (server clock)."""
         return self.begin_at + self.predicted_s
 
 
@@ -378,8 +390,10 @@ class KVCore:
         self._next_sweep = 0.0
         #: Why the workers cannot copy (reported by them), or None.
         self.copies_disabled: str | None = None
-        #: session id -> its active stall's id.
+        #: session id -> its active stall's id (the one its concurrent tool calls share).
         self._session_stall: dict[str, str] = {}
+        #: Open tool call (its ``stall_begin`` id) -> the active stall it shares.
+        self._call_stall: dict[str, str] = {}
         #: req_id -> what we know of requests carrying TokenCake metadata.
         self._reqs: dict[str, _ReqInfo] = {}
         #: req_id -> (first block, hashes, slots) from the last get_num_new_matched_tokens.
@@ -417,8 +431,8 @@ class KVCore:
         self._critical_before: dict[str, frozenset[bytes]] | None = None
         #: Sessions whose latest finished request was on the critical path (``_Stall.critical``).
         self._critical_sessions: ByteLRU[str, bool] = ByteLRU(max_items=CRITICAL_SESSIONS, max_bytes=1 << 20)
-        #: Sessions whose client sends no stall events: the stall derived from their last request.
-        self._derived: ByteLRU[str, tuple[StallBegin, float]] = ByteLRU(max_items=4096, max_bytes=1 << 20)
+        #: Sessions whose client sends no stall events and whose last request began a derived stall.
+        self._derived: ByteLRU[str, bool] = ByteLRU(max_items=4096, max_bytes=1 << 20)
         #: Block hash -> offload job copying it (the host copy exists once that job commits).
         self._filling: dict[bytes, int] = {}
         #: Offloaded stalls whose idle device blocks are at the front of the eviction queue.
@@ -646,16 +660,16 @@ class KVCore:
             ts=time.time(),
         )
         if self.sessions.apply(begin).ok:
-            self._derived.put(info.session_id, (begin, self.clock()), 64)
+            self._derived.put(info.session_id, True, 1)
             self.stats.inc("events.derived_begin")
 
     def _end_derived_stall(self, session_id: str) -> None:
-        """The session's next request arrived: its tool call is over."""
-        open_ = self._derived.pop(session_id)
-        if open_ is None:
+        """The session's next request arrived: its tool calls are over (every open one: two
+        requests of the session in flight at once each began one)."""
+        if self._derived.pop(session_id) is None:
             return
-        begin, started = open_
-        self._end_on_the_clients_behalf(begin, started, "events.derived_end")
+        for rec in self.sessions.active_stalls(session_id):
+            self._end_on_the_clients_behalf(rec.begin, rec.begin_at, "events.derived_end")
 
     def _end_on_the_clients_behalf(self, begin: StallBegin, started: float, counter: str) -> None:
         """Apply the ``stall_end`` the client did not send (server clock), as if it had."""
@@ -672,7 +686,8 @@ class KVCore:
             self.stats.inc(counter)
 
     def _end_stalls_the_request_outlived(self, session_id: str) -> None:
-        """The session sent its next request while its stall is still open: the end was lost.
+        """The session sent its next request while its stall is still open: the ends of its open
+        tool calls were lost.
 
         An agent calls the model again only after its tool calls returned (the SDK sends each
         end before the next request), so the stall is over. Ended here, it is accounted against
@@ -1843,11 +1858,9 @@ class KVCore:
                     log.exception("TokenCake: prefetch top-up for %s failed", sid)
         for sid in self.planner.expired(now):
             # No end in time, or ended long ago without a next request: release the host pins.
-            stall = self._pop_stall(sid)
+            stall = self._stalls.get(sid)
             if stall is not None:
-                self._forget_active(stall)
-                self.sessions.expire(sid, "no_stall_end")
-                self.stats.inc("stalls.expired.no_stall_end")
+                self._expire_calls(stall, list(stall.calls.open), "no_stall_end")
             self._release_stall(sid)
         self._expire_ended(now)
         self._timeout_jobs(now)
@@ -1864,89 +1877,161 @@ class KVCore:
     def _add_stall(self, stall: _Stall) -> None:
         self._stalls[stall.stall_id] = stall
         self._stall_users.add(stall.stall_id, stall.hashes)
+        self._session_stall[stall.session_id] = stall.stall_id
+        self._call_stall[stall.stall_id] = stall.stall_id
 
-    def _pop_stall(self, stall_id: str) -> _Stall | None:
-        stall = self._stalls.pop(stall_id, None)
-        if stall is not None:
-            self._stall_users.remove(stall_id, stall.hashes)
-        return stall
-
-    def _forget_active(self, stall: _Stall) -> None:
+    def _pop_stall(self, stall: _Stall) -> None:
+        """The stall is no longer active (its last call ended or expired): unmap it."""
+        if self._stalls.pop(stall.stall_id, None) is not None:
+            self._stall_users.remove(stall.stall_id, stall.hashes)
         if self._session_stall.get(stall.session_id) == stall.stall_id:
             del self._session_stall[stall.session_id]
+        for call_id in stall.calls.open:
+            self._call_stall.pop(call_id, None)
+
+    def _stall_of_call(self, call_id: str) -> _Stall | None:
+        """The active stall an open tool call shares, or None."""
+        sid = self._call_stall.get(call_id)
+        return self._stalls.get(sid) if sid is not None else None
+
+    def _leave(self, stall: _Stall, call_id: str) -> ToolCall | None:
+        """Take an open call out of its stall (it ended or expired)."""
+        self._call_stall.pop(call_id, None)
+        return stall.calls.leave(call_id)
 
     def _on_transition(self, tr: StallTransition, now: float) -> None:
         if tr.kind == "begin":
-            ev = tr.event
-            assert isinstance(ev, StallBegin)
-            agent_type = ev.agent_type or ev.node
-            fc = self.forecaster.predict(agent_type, ev.tool, ev.predicted_s, ev.stages)
-            hashes = tr.blocks.block_hashes if tr.blocks is not None else ()
-            stall = _Stall(
-                ev.stall_id,
-                ev.session_id,
-                agent_type,
-                ev.tool,
-                tr.at,
-                fc.seconds,
-                tuple(hashes),
-                known=tr.blocks is not None,
-                critical=bool(self._critical_sessions.get(ev.session_id)),
-                finish_decision=self._finish_decision.pop(ev.session_id),
-            )
-            stall.lead_s = (
-                self.transfer.estimate("h2d", len(hashes) * self.block_bytes) + self.opts.prefetch_margin_s
-            )
-            self.stats.inc(f"forecast.source.{fc.source}")
-            self._add_stall(stall)
-            self._session_stall[stall.session_id] = stall.stall_id
-            self._evaluate(stall, now)
-            self._release_finish_pins(stall.session_id)  # the stall pins what it keeps
-        elif tr.kind == "end":
-            stall = self._pop_stall(tr.stall_id)
-            ev = tr.event
-            if stall is None:
-                return
-            self._forget_active(stall)
-            stall.ended_at = tr.at
-            held = self._kept.get(stall.session_id)
-            if held is not None:
-                held.until = min(held.until, tr.at + self.opts.keep_after_end_s)
-            if isinstance(ev, StallEnd) and stall.known:
-                # Only sessions that sent a request teach the shared forecasts: events alone,
-                # for sessions that do not exist, must not steer every tenant's tool durations.
-                self.policy.observe_stall_end(f"{stall.agent_type}/{stall.tool}", ev.duration_s)
-                self.forecaster.observe(stall.agent_type, stall.tool, ev.duration_s, stall.predicted_s)
-                self.stats.observe("forecast.error_s", stall.predicted_s - ev.duration_s)
-                # The stall as the server saw it minus as the client timed it: event delivery lag.
-                self.stats.observe("stalls.server_minus_client_s", (tr.at - stall.begin_at) - ev.duration_s)
-            self._finish_stall(stall)
-            # The tool is back: its idle device blocks are the next to be used, not evicted.
-            self._promote(stall)
-            plan = self.planner.get(stall.stall_id)
-            if plan is not None and plan.state in ("waiting", "on_device"):
-                if plan.state == "on_device" and not stall.topup and not self._chain_on_device(stall):
-                    # A stall longer than predicted: what was prefetched (or still cached) at the
-                    # due time was evicted since; the planner makes it due again at the end. (A
-                    # chain uploaded in part is topped up instead: ``_try_topup``.)
-                    self.planner.mark_evicted(stall.stall_id, now=tr.at, retry=False)
-                elif plan.state == "waiting" and plan.due_at > tr.at:
-                    self.stats.inc("prefetch.triggered_by_end")  # an end earlier than predicted
-                self.planner.end(stall.stall_id, now=tr.at)
-            elif plan is not None:
-                self.planner.end(stall.stall_id, now=tr.at)
-        else:  # expired by the tracker's safety net
-            stall = self._pop_stall(tr.stall_id)
-            if stall is not None:
-                self._forget_active(stall)
-                self._expire(stall, tr.detail or "expired")
+            self._on_begin(tr, now)
+            return
+        stall = self._stall_of_call(tr.stall_id)
+        if stall is None:
+            return
+        if tr.kind == "expired":  # by the tracker's safety net (it expired the call itself)
+            self._expire_calls(stall, [tr.stall_id], tr.detail or "expired", tracked=True)
+            return
+        call = self._leave(stall, tr.stall_id)
+        assert call is not None
+        ev = tr.event
+        if isinstance(ev, StallEnd) and stall.known:
+            # Only sessions that sent a request teach the shared forecasts: events alone,
+            # for sessions that do not exist, must not steer every tenant's tool durations.
+            self.policy.observe_stall_end(call.key, ev.duration_s)
+            self.forecaster.observe(call.agent_type, call.tool, ev.duration_s, call.predicted_s)
+            self.stats.observe("forecast.error_s", call.predicted_s - ev.duration_s)
+            # The call as the server saw it minus as the client timed it: event delivery lag.
+            self.stats.observe("stalls.server_minus_client_s", (tr.at - call.begin_at) - ev.duration_s)
+        if stall.calls.shared and self.planner.is_open(stall.stall_id):
+            self.planner.observe_return(call.key, call.begin_at, call.predicted_s, tr.at)
+        if stall.calls.open:  # another call of the session still runs: the chain stays idle
+            self._retime(stall)
+            return
+        self._pop_stall(stall)
+        stall.ended_at = tr.at
+        held = self._kept.get(stall.session_id)
+        if held is not None:
+            held.until = min(held.until, tr.at + self.opts.keep_after_end_s)
+        self._finish_stall(stall)
+        # The tools are back: the idle device blocks are the next to be used, not evicted.
+        self._promote(stall)
+        plan = self.planner.get(stall.stall_id)
+        learn = not stall.calls.shared  # a shared stall's calls were learned one by one
+        if plan is not None and plan.state in ("waiting", "on_device"):
+            if plan.state == "on_device" and not stall.topup and not self._chain_on_device(stall):
+                # A stall longer than predicted: what was prefetched (or still cached) at the
+                # due time was evicted since; the planner makes it due again at the end. (A
+                # chain uploaded in part is topped up instead: ``_try_topup``.)
+                self.planner.mark_evicted(stall.stall_id, now=tr.at, retry=False)
+            elif plan.state == "waiting" and plan.due_at > tr.at:
+                self.stats.inc("prefetch.triggered_by_end")  # an end earlier than predicted
+            self.planner.end(stall.stall_id, now=tr.at, learn=learn)
+        elif plan is not None:
+            self.planner.end(stall.stall_id, now=tr.at, learn=learn)
+
+    def _on_begin(self, tr: StallTransition, now: float) -> None:
+        ev = tr.event
+        assert isinstance(ev, StallBegin)
+        agent_type = ev.agent_type or ev.node
+        fc = self.forecaster.predict(agent_type, ev.tool, ev.predicted_s, ev.stages)
+        self.stats.inc(f"forecast.source.{fc.source}")
+        shared = self._active_stall(ev.session_id)
+        if shared is not None:
+            self._join(shared, ToolCall(ev.stall_id, agent_type, ev.tool, tr.at, fc.seconds), now)
+            return
+        hashes = tr.blocks.block_hashes if tr.blocks is not None else ()
+        stall = _Stall(
+            ev.stall_id,
+            ev.session_id,
+            agent_type,
+            ev.tool,
+            tr.at,
+            fc.seconds,
+            tuple(hashes),
+            known=tr.blocks is not None,
+            critical=bool(self._critical_sessions.get(ev.session_id)),
+            finish_decision=self._finish_decision.pop(ev.session_id),
+        )
+        stall.lead_s = (
+            self.transfer.estimate("h2d", len(hashes) * self.block_bytes) + self.opts.prefetch_margin_s
+        )
+        self._add_stall(stall)
+        self._evaluate(stall, now)
+        self._release_finish_pins(stall.session_id)  # the stall pins what it keeps
+
+    def _join(self, stall: _Stall, call: ToolCall, now: float) -> None:
+        """A tool call of a session whose stall is open (a parallel call): it shares the stall,
+        whose chain was decided and saved once; the stall lasts until the last call returns."""
+        later = stall.calls.join(call)
+        self._call_stall[call.stall_id] = stall.stall_id
+        self.stats.inc("stalls.joined")
+        if stall.decision is not None:
+            self.sessions.set_decision(call.stall_id, stall.decision)
+        if not later:
+            return
+        self._retime(stall)
+        if not stall.offloaded and math.isfinite(stall.next_eval):
+            # A retryable "no" (too short, say) is asked again now: the stall lasts longer.
+            stall.retry_s, stall.next_eval = 0.0, now
+
+    def _retime(self, stall: _Stall) -> None:
+        """The stall's open calls changed: its predicted return, upload plan, kept-room window and
+        place in the eviction queue follow the last of them."""
+        stall.predicted_s = stall.calls.returns_at - stall.begin_at
+        if stall.offloaded:
+            plan = self.planner.retime(stall.stall_id, stall.calls.timings())
+            if plan is not None:
+                stall.reserve_from, stall.reserve_until = plan.due_at, plan.late_at
+        if stall.stall_id in self._demoted:
+            self._demote(stall)
+
+    def _expire_calls(
+        self, stall: _Stall, call_ids: list[str], reason: str, *, tracked: bool = False
+    ) -> None:
+        """Calls of ``stall`` whose end never came expire, each once (in the tracker too, unless it
+        expired them itself: ``tracked``); the stall expires with its last open call."""
+        for call_id in call_ids:
+            if self._leave(stall, call_id) is None:
+                continue
+            if not tracked:
+                self.sessions.expire(call_id, reason)
+            self.stats.inc(f"stalls.expired.{reason}")
+        if stall.calls.open:
+            self._retime(stall)
+            return
+        self._pop_stall(stall)
+        self.planner.cancel(stall.stall_id, "expired")
+        self._release_stall(stall.stall_id)
 
     def _finish_stall(self, stall: _Stall) -> None:
         self.stats.inc(f"stalls.final_decision.{stall.decision or 'undecided'}")
         self._ended[stall.stall_id] = stall
         self._last_stall.put(stall.session_id, stall, hashes_nbytes(stall.hashes))
         if stall.decision is not None:
-            self.sessions.set_decision(stall.stall_id, stall.decision)
+            self._set_decision(stall, stall.decision)
+
+    def _set_decision(self, stall: _Stall, decision: str) -> None:
+        """Record the stall's decision for each of its calls (acks of duplicate events report it)."""
+        for call_id in stall.calls.joined:
+            self.sessions.set_decision(call_id, decision)
 
     def _retry_in(self, stall: _Stall) -> float:
         """When to ask a retryable "no" again: at once while requests wait, else backing off."""
@@ -1997,7 +2082,7 @@ class KVCore:
         if first:
             self.stats.inc(f"stalls.decision.{plan.reason}")
             self._count_plan("stall", plan)
-        self.sessions.set_decision(stall.stall_id, plan.reason)
+        self._set_decision(stall, plan.reason)
         if plan.action == "keep":
             self._keep(stall.session_id, chain, now + plan.keep_s, now)
         elif plan.action == "discard" and self.demote_enabled:
@@ -2038,6 +2123,8 @@ class KVCore:
             now=stall.begin_at,
             mode=plan.prefetch,
         )
+        if stall.calls.shared:  # timed by each open call's own forecast and return ratios
+            planned = self.planner.retime(stall.stall_id, stall.calls.timings()) or planned
         stall.reserve_from, stall.reserve_until = planned.due_at, planned.late_at
         if not first:
             self.stats.inc("stalls.offload_after_retry")
@@ -2248,20 +2335,15 @@ class KVCore:
     def _tick_stall(self, stall: _Stall, now: float) -> None:
         if stall.next_eval <= now and stall.ended_at is None:
             self._evaluate(stall, now)
-        expiry = self._expiry(stall.predicted_s)
+        # A call past its own deadline expires alone while another call of the stall runs.
+        overdue = stall.calls.overdue(now, self._expiry)
+        if overdue:
+            self._expire_calls(stall, [c.stall_id for c in overdue], "no_stall_end")
         # An offloaded stall is the planner's to expire while it is planned; once its plan is gone
         # (a failed or timed-out prefetch, a reset) the same deadline applies here.
         planned = stall.offloaded and self.planner.is_open(stall.stall_id)
-        if not planned and now - stall.begin_at >= expiry:
-            self._pop_stall(stall.stall_id)
-            self._forget_active(stall)
-            self.sessions.expire(stall.stall_id, "no_stall_end")
-            self._expire(stall, "no_stall_end")
-
-    def _expire(self, stall: _Stall, reason: str) -> None:
-        self.stats.inc(f"stalls.expired.{reason}")
-        self.planner.cancel(stall.stall_id, "expired")
-        self._release_stall(stall.stall_id)
+        if not planned and now >= stall.calls.deadline(self._expiry):
+            self._expire_calls(stall, list(stall.calls.open), "no_stall_end")
 
     def _expire_ended(self, now: float) -> None:
         """Ended stalls the planner does not expire are forgotten here: never offloaded, after the
@@ -2623,7 +2705,7 @@ class KVCore:
         if stall.ended_at is not None:
             until = stall.ended_at + self.opts.keep_after_end_s
         else:
-            until = stall.begin_at + self._expiry(stall.predicted_s)
+            until = stall.calls.deadline(self._expiry)
         self._keep(job.session_id, chain, until, now, rank=stall.returns_at, kind="hold")
 
     def _complete_load(self, job: _Job, ok: bool) -> None:
