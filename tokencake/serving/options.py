@@ -81,6 +81,11 @@ class Options:
     #: nothing and the kept room only delays others); ``"on"`` / ``"off"`` force it.
     return_reserve: str = "auto"
     return_reserve_frac: float = 0.5
+    #: With TokenCake's scheduler: a request held back for kept room, or because held chains just
+    #: gave their blocks to a running request, waits at most this long after vLLM first looked at
+    #: it; past it, it is admitted as vLLM would admit it (``tokencake.serving.admission``). The
+    #: critical reserve has its own bound (``critical_reserve_wait_s``, the node's slack).
+    admission_wait_s: float = 10.0
     #: With the spatial scheduler on: the admission order (``tokencake.serving.spatial.ADMISSIONS``:
     #: spatial, apps-side-by-side, static-slack, remaining-depth-first, continuum); empty: the KV
     #: policy's own (``KVPolicy.admission``).

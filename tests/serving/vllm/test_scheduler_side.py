@@ -182,6 +182,21 @@ def admit(side: SchedulerSide, pool: BlockPool, req: Any, hit: list[bytes]) -> N
     bp.release(pool, blocks)
 
 
+def take_over(side: SchedulerSide) -> None:
+    """What TokenCake's scheduler (``scheduler.py``) sets when it takes over admission."""
+    side.critical_last = True
+    side.enable_admission_control()
+
+
+def ask(side: SchedulerSide, req: Any, hit: int = 0) -> int | None:
+    """What vLLM's admission loop asks about ``req`` (``hit``: its device prefix hit, tokens):
+    with TokenCake's scheduler ``admit`` first (False: vLLM skips it, shown as None), then the
+    connector's ``get_num_new_matched_tokens``."""
+    if side.admission_control and not side.admit(req, side._running):
+        return None
+    return side.get_num_new_matched_tokens(req, hit)
+
+
 def answer(side: SchedulerSide, meta: TokenCakeMetadata, ok: bool = True) -> None:
     side.on_worker_meta(TokenCakeWorkerMeta({j.job_id: JobResult(ok, 0.001, 0) for j in meta.jobs}))
 
@@ -257,10 +272,10 @@ def test_demand_load_counts_host_hits_past_device_prefix(pool: BlockPool, clock:
     req = request("r2", [*hashes, *chain("new", 1)], 5 * BS + 2)
     side.on_new_request(req)
     assert side.stats.counter("events.inferred_end") == 0  # its end was delivered
-    assert side.get_num_new_matched_tokens(req, 0) == 4 * BS
+    assert ask(side, req, 0) == 4 * BS
     # With one block already on device, only the next 3 come from the host.
-    assert side.get_num_new_matched_tokens(req, BS) == 3 * BS
-    side.get_num_new_matched_tokens(req, 0)
+    assert ask(side, req, BS) == 3 * BS
+    ask(side, req, 0)
     allocated = bp.allocate(pool, 6)
     ids = [b.block_id for b in allocated]
     side.update_state_after_alloc(req, ids, 4 * BS)
@@ -294,7 +309,7 @@ def b_matches_the_shared_prefix_on_host(
     put_on_host(side, shared)
     req = request("rb", [*shared, *own], (len(shared) + len(own)) * BS + 2, session="run:B")
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == len(shared) * BS
+    assert ask(side, req, 0) == len(shared) * BS
     return req, cache_blocks(pool, [*shared, *own][:admitted])  # allocate_slots hashes them this step
 
 
@@ -505,7 +520,7 @@ def test_provenance_traces_failed_copies(pool: BlockPool, clock: Clock) -> None:
     side.build_meta()
     req = request("r2", [*hashes, *chain("new", 1)], 4 * BS + 2)
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == 0
+    assert ask(side, req, 0) == 0
     admit(side, pool, req, hashes)
     req.num_computed_tokens = 4 * BS + 2
     prov = side.request_finished(req)
@@ -527,7 +542,7 @@ def test_provenance_traces_failed_copies(pool: BlockPool, clock: Clock) -> None:
     side.build_meta()
     req = request("b2", [*other, *chain("next", 1)], 4 * BS + 2, session="run:B")
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == 3 * BS
+    assert ask(side, req, 0) == 3 * BS
     allocated = bp.allocate(pool, 5)
     side.update_state_after_alloc(req, [b.block_id for b in allocated], 3 * BS)
     answer(side, side.build_meta(), ok=False)
@@ -545,7 +560,7 @@ def test_provenance_blames_hits_on_blocks_a_host_copy_wrote(pool: BlockPool, clo
     offloaded_then_evicted(side, pool, hashes)
     req = request("r2", [*hashes, *chain("own", 1)], 4 * BS + 2)
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == 3 * BS
+    assert ask(side, req, 0) == 3 * BS
     blocks = bp.allocate(pool, 5)
     side.update_state_after_alloc(req, [b.block_id for b in blocks], 3 * BS)
     answer(side, side.build_meta())
@@ -554,7 +569,7 @@ def test_provenance_blames_hits_on_blocks_a_host_copy_wrote(pool: BlockPool, clo
     bp.release(pool, blocks)
     other = request("o1", [*hashes, *chain("theirs", 1)], 4 * BS + 2, session="run:B")
     side.on_new_request(other)
-    assert side.get_num_new_matched_tokens(other, 3 * BS) == 0
+    assert ask(side, other, 3 * BS) == 0
     admit(side, pool, other, hashes)
     other.num_computed_tokens = 4 * BS + 2
     prov = side.request_finished(other)
@@ -573,7 +588,7 @@ def test_demand_load_leaves_one_token_to_compute(pool: BlockPool, clock: Clock) 
     answer(side, side.build_meta())
     # A prompt that is exactly the 3 cached blocks: at most 2 may be loaded (a token must remain).
     req = request("r2", hashes, 3 * BS)
-    assert side.get_num_new_matched_tokens(req, 0) == 2 * BS
+    assert ask(side, req, 0) == 2 * BS
 
 
 def test_prefetch_restores_the_device_prefix_cache(pool: BlockPool, clock: Clock) -> None:
@@ -604,7 +619,7 @@ def test_prefetch_restores_the_device_prefix_cache(pool: BlockPool, clock: Clock
     side.build_meta()
     req = request("r2", [*hashes, *chain("n", 1)], 4 * BS + 1)
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 3 * BS) == 0
+    assert ask(side, req, 3 * BS) == 0
     admit(side, pool, req, hashes)
     assert side.stats.counter("prefetch.on_time") == 1
     assert side.stats.counter("readiness.prefetched") == 1
@@ -681,7 +696,7 @@ def test_a_stall_whose_end_was_lost_ends_when_its_session_sends_the_next_request
     nxt = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
     side.on_new_request(nxt)
     assert side.stats.counter("events.inferred_end") == 1
-    assert side.get_num_new_matched_tokens(nxt, 0) == 2 * BS  # a demand load of the saved chain
+    assert ask(side, nxt, 0) == 2 * BS  # a demand load of the saved chain
     allocated = bp.allocate(pool, 3)
     side.update_state_after_alloc(nxt, [b.block_id for b in allocated], 2 * BS)
     (load,) = side.build_meta().jobs
@@ -706,7 +721,7 @@ def test_a_delivered_end_still_queued_when_the_request_arrives_is_not_inferred(
     nxt = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
     side.on_new_request(nxt)
     assert side.stats.counter("events.inferred_end") == 0
-    assert side.get_num_new_matched_tokens(nxt, 0) == 2 * BS
+    assert ask(side, nxt, 0) == 2 * BS
 
 
 def test_an_offloaded_stall_whose_prefetch_failed_expires_while_its_tool_still_runs(
@@ -786,7 +801,7 @@ def test_a_partial_prefetch_is_topped_up_once_room_frees(pool: BlockPool, clock:
     side.handle_event(end(duration=2.0))
     nxt = request("r2", [*hashes, *chain("n", 1)], 4 * BS + 1)
     side.on_new_request(nxt)
-    assert side.get_num_new_matched_tokens(nxt, 3 * BS) == 0  # a whole device hit
+    assert ask(side, nxt, 3 * BS) == 0  # a whole device hit
     side.update_state_after_alloc(nxt, [], 0)
     assert side.stats.counter("readiness.prefetched") == 1
 
@@ -802,7 +817,7 @@ def test_no_top_up_once_the_request_has_come(pool: BlockPool, clock: Clock) -> N
     assert side.build_meta().jobs == []
     assert side.stats.counter("prefetch.topups") == 0
     # Admitted: a device hit on the head, a demand load of the rest; the upload served its head.
-    assert side.get_num_new_matched_tokens(nxt, 2 * BS) == BS
+    assert ask(side, nxt, 2 * BS) == BS
     side.update_state_after_alloc(nxt, [b.block_id for b in bp.allocate(pool, 3)], BS)
     assert side.stats.counter("prefetch.head_only") == 1
     assert side.stats.counter("prefetch.wasted") == 0
@@ -817,9 +832,9 @@ def test_request_waits_for_its_prefetch_instead_of_loading_twice(pool: BlockPool
     side.handle_event(end(duration=2.0))
     req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) is None  # vLLM asks again next step
+    assert ask(side, req, 0) is None  # vLLM asks again next step
     answer(side, TokenCakeMetadata([job]))
-    assert side.get_num_new_matched_tokens(req, 2 * BS) == 0  # now a device hit
+    assert ask(side, req, 2 * BS) == 0  # now a device hit
     side.update_state_after_alloc(req, [], 0)
     assert side.stats.counter("readiness.eligible") == 1
     assert side.stats.counter("readiness.loading") == 1
@@ -964,7 +979,7 @@ def test_host_copies_stay_pinned_while_the_next_request_waits(pool: BlockPool, c
     clock.t += 100.0
     side.build_meta()
     assert side.host.num_reclaimable == 0  # still pinned for the waiting request
-    assert side.get_num_new_matched_tokens(nxt, 0) == 3 * BS  # loads from host when admitted
+    assert ask(side, nxt, 0) == 3 * BS  # loads from host when admitted
     # Aborted while queued: the grace applies from then on.
     side.request_finished(nxt)
     clock.t += 5.0
@@ -1007,7 +1022,7 @@ def test_requests_without_metadata_are_not_tracked(pool: BlockPool, clock: Clock
     side = make_side(pool, clock)
     req = request("plain", chain("p", 2), 9, session=None)
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == 0
+    assert ask(side, req, 0) == 0
     req.num_computed_tokens = 9
     side.request_finished(req)
     assert side.sessions.stats()["sessions"] == 0
@@ -1175,7 +1190,8 @@ def test_spatial_scheduler_demotes_critical_path_sessions_last(
     pool: BlockPool, clock: Clock, critical_last: bool
 ) -> None:
     side = make_side(pool, clock, prefetch=False, host_blocks=12)
-    side.critical_last = critical_last  # what SpatialScheduler sets when it takes over admission
+    if critical_last:  # what SpatialScheduler sets when it takes over admission
+        take_over(side)
     chains = {name: chain(name, 2) for name in ("crit", "late", "early")}
     returns = {"crit": 40.0, "late": 30.0, "early": 10.0}
     for name, hashes in chains.items():
@@ -1221,7 +1237,7 @@ def test_early_save_keeps_the_tail_that_eviction_would_take(pool: BlockPool, clo
     side.build_meta()
     nxt = request("r2", [*hashes, *chain("n", 1)], 5 * BS + 1)
     side.on_new_request(nxt)
-    assert side.get_num_new_matched_tokens(nxt, 0) == 4 * BS
+    assert ask(side, nxt, 0) == 4 * BS
     assert_no_pins(pool)
 
 
@@ -1271,7 +1287,7 @@ def test_reset_cache_drops_host_copies_and_copies_in_flight(pool: BlockPool, clo
     assert side.host.lookup(old[0]) is None and side.host.lookup(fresh[0]) is None
     req = request("r3", [*old, *chain("n", 1)], 3 * BS + 1)
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == 0  # recompute, never the old KV
+    assert ask(side, req, 0) == 0  # recompute, never the old KV
     assert side.stats.counter("offload.dropped_after_reset") == 1
     assert side.host.num_ready == 0
     assert_no_pins(pool)
@@ -1476,9 +1492,9 @@ def test_a_slow_prefetch_is_not_waited_for_forever(pool: BlockPool, clock: Clock
     (job,) = side.build_meta().jobs
     req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) is None
+    assert ask(side, req, 0) is None
     clock.t += side.opts.prefetch_wait_s + 0.1  # the copy is still not confirmed
-    assert side.get_num_new_matched_tokens(req, 0) == 2 * BS  # demand load takes over
+    assert ask(side, req, 0) == 2 * BS  # demand load takes over
     loaded = bp.allocate(pool, 3)
     side.update_state_after_alloc(req, [b.block_id for b in loaded], 2 * BS)
     for i, (b, h) in enumerate(zip(loaded[:2], hashes, strict=True)):
@@ -1550,7 +1566,7 @@ def test_prefetched_chain_evicted_while_the_tool_runs_comes_back(pool: BlockPool
     side.build_meta()
     req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 2 * BS) == 0
+    assert ask(side, req, 2 * BS) == 0
     side.update_state_after_alloc(req, [], 0)
     assert side.stats.counter("readiness.prefetched") == 1
     assert_no_pins(pool)
@@ -1588,7 +1604,7 @@ def test_a_held_prefetch_yields_to_a_request_that_needs_the_room(pool: BlockPool
     assert len(pinned(pool)) == 4 and bp.num_free(pool) == 11
     big = request("big", chain("w", 1), 12 * BS, session=None)  # 12 blocks: one more than is free
     side.on_new_request(big)
-    side.get_num_new_matched_tokens(big, 0)
+    ask(side, big, 0)
     assert "run:B" not in side._kept and "run:A" in side._kept  # B returns last: it goes
     assert side.stats.counter("hold.released.room") == 1 and bp.num_free(pool) == 13
     evict_all(pool)  # vLLM allocates for the big request
@@ -1607,16 +1623,22 @@ def test_a_request_that_fits_the_free_blocks_exactly_releases_no_hold(pool: Bloc
     free = bp.num_free(pool)
     fits = request("fits", chain("w", 1), free * BS, session=None)
     side.on_new_request(fits)
-    assert side.get_num_new_matched_tokens(fits, 0) == 0
+    assert ask(side, fits, 0) == 0
     assert "run:A" in side._kept and side.stats.counter("hold.released.room") == 0
     taken = bp.allocate(pool, free)  # what vLLM allocates for it: every free block, none held
     assert len(taken) == free and "run:A" in side._kept
     bp.release(pool, taken)
 
 
-def test_a_request_waiting_for_its_own_prefetch_releases_no_other_hold(pool: BlockPool, clock: Clock) -> None:
-    """It is not admitted this step (it waits for its copy): another session's held chain stays."""
+@pytest.mark.parametrize("scheduler", [False, True])
+def test_a_request_waiting_for_its_own_prefetch_releases_no_other_hold(
+    pool: BlockPool, clock: Clock, scheduler: bool
+) -> None:
+    """It is not admitted this step (it waits for its copy): another session's held chain stays
+    (with TokenCake's scheduler its ``admit`` lets it go on to the connector's "not yet")."""
     side = make_side(pool, clock, prefetch_quantile=None)
+    if scheduler:
+        side.enable_admission_control()
     _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)
     hashes = _offloaded_and_evicted(side, pool, clock)  # run:A, a 1 s tool
     clock.t += 1.0
@@ -1625,10 +1647,11 @@ def test_a_request_waiting_for_its_own_prefetch_releases_no_other_hold(pool: Blo
     side.handle_event(end(duration=1.0))
     req = request("r2", [*hashes, *chain("n", 1)], 12 * BS)  # more than is free without B's hold
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) is None
+    assert ask(side, req, 0) is None
     assert "run:B" in side._kept and side.stats.counter("hold.released.room") == 0
+    assert side.stats.counter("admission.held_back.prefetch") == 1
     answer(side, TokenCakeMetadata([job]))
-    assert side.get_num_new_matched_tokens(req, 2 * BS) == 0  # its copy landed: a device hit
+    assert ask(side, req, 2 * BS) == 0  # its copy landed: a device hit
     assert "run:B" in side._kept  # and it fits beside B's chain
 
 
@@ -1637,7 +1660,7 @@ def test_a_hold_that_cannot_make_room_is_not_released(pool: BlockPool, clock: Cl
     _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 1.0)
     huge = request("huge", chain("w", 1), 40 * BS, session=None)  # never fits in 15 blocks
     side.on_new_request(huge)
-    side.get_num_new_matched_tokens(huge, 0)
+    ask(side, huge, 0)
     assert "run:A" in side._kept and len(pinned(pool)) == 2
 
 
@@ -1654,7 +1677,7 @@ def test_holds_leave_a_free_block_per_running_request(pool: BlockPool, clock: Cl
 
 def _critical_and_other_held(side: SchedulerSide, pool: BlockPool, clock: Clock) -> None:
     """A critical-path session's prefetched chain (returns last) and a non-critical one's, held."""
-    side.critical_last = True  # the spatial scheduler is on
+    take_over(side)  # the spatial scheduler is on
     _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)
     _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 5.0, critical=True)
     assert side._kept["run:A"].critical and not side._kept["run:B"].critical
@@ -1669,12 +1692,12 @@ def test_the_critical_reserve_is_not_lent_to_a_fresh_non_critical_admission(
     _critical_and_other_held(side, pool, clock)
     big = request("big", chain("w", 1), 14 * BS, session="run:W")  # 14 blocks + 1 spare: all 4 held
     side.on_new_request(big)
-    side.get_num_new_matched_tokens(big, 0)
+    ask(side, big, 0)
     # B's hold alone would not make room and A's is reserved: nothing goes, the request waits.
     assert set(side._kept) == {"run:A", "run:B"}
     assert side.stats.counter("spatial.reserve_denials") == 1
     clock.t += side.opts.critical_reserve_wait_s  # it has waited long enough: the reserve is lent
-    side.get_num_new_matched_tokens(big, 0)
+    ask(side, big, 0)
     assert not side._kept and bp.num_free(pool) == 15
     assert side.stats.counter("hold.released.room") == 2
 
@@ -1686,7 +1709,7 @@ def test_a_plain_request_is_not_held_back_by_the_critical_reserve(pool: BlockPoo
     _critical_and_other_held(side, pool, clock)
     big = request("big", chain("w", 1), 14 * BS, session=None)
     side.on_new_request(big)
-    assert side.get_num_new_matched_tokens(big, 0) == 0
+    assert ask(side, big, 0) == 0
     assert not side._kept and bp.num_free(pool) == 15
     assert side.stats.counter("spatial.reserve_denials") == 0
 
@@ -1698,12 +1721,12 @@ def test_the_critical_reserve_yields_non_critical_holds_first_and_never_to_criti
     _critical_and_other_held(side, pool, clock)
     mid = request("mid", chain("m", 1), 12 * BS, session="run:M")  # needs 2 of the 4 held blocks
     side.on_new_request(mid)
-    side.get_num_new_matched_tokens(mid, 0)
+    ask(side, mid, 0)
     # B returns sooner but is not on the critical path: its hold goes, A's stays.
     assert set(side._kept) == {"run:A"}
     crit = request("crit", chain("c", 1), 14 * BS, session="run:C", critical=True)
     side.on_new_request(crit)
-    side.get_num_new_matched_tokens(crit, 0)  # a critical request may take the reserve
+    ask(side, crit, 0)  # a critical request may take the reserve
     assert not side._kept
 
 
@@ -1713,10 +1736,10 @@ def test_the_critical_reserve_is_capped_and_off_without_the_spatial_scheduler(
     for critical_last, frac in ((True, 0.1), (False, 0.25)):  # 1 block of 16 < A's 2; or off
         side = make_side(pool, clock, prefetch_quantile=None, critical_reserve_frac=frac)
         _critical_and_other_held(side, pool, clock)
-        side.critical_last = critical_last
+        side.critical_last = side.admission_control = critical_last  # off: vLLM's own scheduler
         big = request(f"big{frac}", chain(f"w{frac}", 1), 14 * BS, session="run:W")
         side.on_new_request(big)
-        side.get_num_new_matched_tokens(big, 0)
+        ask(side, big, 0)
         assert not side._kept, (critical_last, frac)
         assert side.stats.counter("spatial.reserve_denials") == 0
         evict_all(pool)
@@ -1751,10 +1774,10 @@ def test_held_chains_yield_to_a_running_request_before_vllm_preempts_one(
     assert set(side._kept) == {"run:A"} and bp.num_free(pool) == 2
     waiting = request("w", chain("w", 1), BS, session=None)
     side.on_new_request(waiting)
-    assert side.get_num_new_matched_tokens(waiting, 0) is None  # not in this pass
+    assert ask(side, waiting, 0) is None  # not in this pass
     side.observe_step(BS, num_running=len(running))  # the pass is over
     assert side._keep_free() == bp.num_free(pool) == 2  # its step's prefetches take none of them
-    assert side.get_num_new_matched_tokens(waiting, 0) == 0
+    assert ask(side, waiting, 0) == 0
     side.observe_step(BS, num_running=len(running))
     assert side._keep_free() == len(running)  # the next step: the usual rule again
     running += bp.allocate(pool, 2)  # the running request took them; another one is short now
@@ -1765,6 +1788,99 @@ def test_held_chains_yield_to_a_running_request_before_vllm_preempts_one(
     assert side.stats.counter("hold.admission_waits_for_running") == 1
     bp.release(pool, running)
     assert_no_pins(pool)
+
+
+def test_held_chains_yield_what_the_running_requests_need_at_once(pool: BlockPool, clock: Clock) -> None:
+    """With TokenCake's scheduler counting what the running requests still need this step
+    (``running_need``), held chains yield that much in one go — latest return first — not one
+    block's worth per step."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    need = [3]
+    side.enable_admission_control(running_need=lambda: need[0])
+    _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)  # returns first
+    _held_after_prefetch(side, pool, clock, "c", "run:C", "sC", 2.0)
+    _held_after_prefetch(side, pool, clock, "d", "run:D", "sD", 3.0)
+    running = bp.allocate(pool, bp.num_free(pool))
+    assert side.free_for_running() is True
+    assert set(side._kept) == {"run:B"} and bp.num_free(pool) == 4  # two 2-block chains for 3
+    need[0] = 0  # (a count below one block still yields one)
+    assert side.free_for_running() is True and not side._kept
+    assert side.stats.counter("hold.released.running") == 3
+    bp.release(pool, running)
+    assert_no_pins(pool)
+
+
+def test_a_failing_running_count_yields_a_block_as_without_it(pool: BlockPool, clock: Clock) -> None:
+    side = make_side(pool, clock, prefetch_quantile=None)
+
+    def broken() -> int:
+        raise RuntimeError("boom")
+
+    side.enable_admission_control(running_need=broken)
+    _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)
+    running = bp.allocate(pool, bp.num_free(pool))
+    assert side.free_for_running() is True and not side._kept
+    assert side.stats.counter("errors.running_need") == 1
+    bp.release(pool, running)
+
+
+def test_a_pass_that_gave_held_blocks_to_a_running_request_holds_admissions_back_a_bounded_time(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """With TokenCake's scheduler no request is admitted in the pass whose held chains yielded to
+    a running request (a request that reads no prefix cache included) — for at most
+    ``admission_wait_s`` after vLLM first looked at it; then it goes on, as vLLM would admit it."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    side.enable_admission_control()
+    _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)
+    running = bp.allocate(pool, bp.num_free(pool))
+    waiting = request("w", chain("w", 1), BS, session=None)
+    waiting.skip_reading_prefix_cache = True  # prompt_logprobs: vLLM would ignore a "not yet"
+    side.on_new_request(waiting)
+    assert side.free_for_running() is True
+    assert side.admit(waiting, 1) is False
+    clock.t += side.opts.admission_wait_s
+    assert side.admit(waiting, 1) is True
+    assert side.stats.counter("admission.held_back.running") == 1
+    assert side.stats.counter("admission.past_bound.running") == 1
+    assert side.stats.counter("hold.admission_waits_for_running") == 1
+    bp.release(pool, running)
+    assert_no_pins(pool)
+
+
+def test_admission_leaves_a_request_that_holds_kv_to_vllm(pool: BlockPool, clock: Clock) -> None:
+    """A waiting request with computed tokens (a finished asynchronous load) holds its blocks
+    already: nothing holds it back."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    side.enable_admission_control()
+    _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)
+    running = bp.allocate(pool, bp.num_free(pool))
+    assert side.free_for_running() is True
+    loaded = request("l", chain("l", 2), 2 * BS + 1)
+    loaded.num_computed_tokens = 2 * BS
+    assert side.admit(loaded, 1) is True
+    bp.release(pool, running)
+
+
+def test_admission_measures_a_prompt_as_vllms_admission_test_does(pool: BlockPool, clock: Clock) -> None:
+    """The device prefix hit vLLM's lookup will find (none for a request that reads no prefix
+    cache), and the whole prompt when vLLM admits only what fits whole — else this step's chunk,
+    past the host-pool hits it loads."""
+    side = make_side(pool, clock, prefetch_quantile=None)
+    hashes = chain("p", 6)
+    blocks = cache_blocks(pool, hashes[:2])
+    bp.release(pool, blocks)  # cached, idle: hits that count against the free blocks
+    put_on_host(side, hashes[2:4])
+    req = request("p", hashes, 6 * BS + 1)
+    hits = side._local_hits(req)
+    assert hits == hashes[:2]
+    assert side._admission_need(req, hits) == (7 - 2 + 2, 2)
+    side.max_step_tokens = 2 * BS
+    side.full_sequence_must_fit = False
+    assert side._admission_need(req, hits) == (6 - 2 + 2, 2)  # 2 hit + 2 on host + a 2-block chunk
+    req.skip_reading_prefix_cache = True
+    assert side._local_hits(req) == []
+    evict_all(pool)
 
 
 @pytest.mark.parametrize(
@@ -1783,7 +1899,7 @@ def test_room_for_an_admission_counts_vllms_lookahead_slots_and_watermark(
     side.lookahead_tokens, side.watermark = lookahead, watermark
     req = request("q", chain("q", 1), 13 * BS, session=None)  # 13 blocks: fits only without either
     side.on_new_request(req)
-    side.get_num_new_matched_tokens(req, 0)
+    ask(side, req, 0)
     assert (not side._kept) is released
     evict_all(pool)
     side.release_device_holds()
@@ -1811,7 +1927,7 @@ def test_offload_all_stores_requests_without_metadata_and_loads_them_on_a_miss(
     evict_all(pool)
     nxt = request("r2", [*hashes, *chain("n", 1)], 4 * BS + 1, None, None)
     side.on_new_request(nxt)
-    assert side.get_num_new_matched_tokens(nxt, 0) == 3 * BS
+    assert ask(side, nxt, 0) == 3 * BS
     # The host pool is LRU and unowned: every slot is reclaimable by later stores.
     assert side.host.num_reclaimable == 3
 
@@ -1858,7 +1974,7 @@ def test_a_kept_session_is_released_when_its_next_request_is_admitted(pool: Bloc
     side.build_meta()
     nxt = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1, "run:A", None)
     side.on_new_request(nxt)
-    assert side.get_num_new_matched_tokens(nxt, 2 * BS) == 0
+    assert ask(side, nxt, 2 * BS) == 0
     held = [bp.cached_block(pool, h) for h in hashes]
     bp.pin(pool, held)  # what vLLM's allocate_slots does for the prefix hit
     side.update_state_after_alloc(nxt, [], 0)
@@ -2055,7 +2171,7 @@ def test_time_to_first_token_of_resumed_turns(pool: BlockPool, clock: Clock) -> 
     req = request("r2", [*hashes, *chain("more", 1)], 3 * BS + 1)
     side.on_new_request(req)
     clock.t += 0.5
-    side.get_num_new_matched_tokens(req, 2 * BS)
+    ask(side, req, 2 * BS)
     side.update_state_after_alloc(req, [], 0)
     clock.t += 0.5
     side.build_meta()  # prefill still running: nothing yet
@@ -2129,7 +2245,7 @@ def test_critical_inversion_when_a_non_critical_admission_evicts_critical_kv(
     crit = request("c2", chain("c2", 1), BS + 1, session="run:D")
     crit.kv_transfer_params["tokencake"]["graph"] = {"on_critical_path": True}
     side.on_new_request(crit)
-    side.get_num_new_matched_tokens(crit, 0)
+    ask(side, crit, 0)
     taken = bp.allocate(pool, bp.num_free(pool) - 2)  # evicts the chain's oldest block
     side.update_state_after_alloc(crit, [], 0)
     assert sum(bp.cached_block(pool, h) is not None for h in hashes) == 2
@@ -2139,7 +2255,7 @@ def test_critical_inversion_when_a_non_critical_admission_evicts_critical_kv(
     put_on_host(side, hashes[1:2])
     plain = request("p", chain("p", 2), 2 * BS, session=None)
     side.on_new_request(plain)
-    side.get_num_new_matched_tokens(plain, 0)
+    ask(side, plain, 0)
     taken += bp.allocate(pool, 2)
     side.update_state_after_alloc(plain, [], 0)
     assert inversions(side) == (1, 2, 1, 1)
@@ -2157,7 +2273,7 @@ def test_a_critical_inversion_of_blocks_safe_on_host_costs_no_recompute(
     put_on_host(side, hashes)
     other = request("o", chain("o", 1), BS + 1, session="run:O")
     side.on_new_request(other)
-    side.get_num_new_matched_tokens(other, 0)
+    ask(side, other, 0)
     taken = bp.allocate(pool, bp.num_free(pool))  # takes every idle block, the chain included
     side.update_state_after_alloc(other, [], 0)
     assert inversions(side) == (1, 2, 0, 0)
@@ -2186,7 +2302,7 @@ def test_stalls_are_derived_from_requests_when_the_client_sends_no_events(
     nxt = request("r2", [*hashes, *chain("e", 1)], 4 * BS + 1, events=False)
     side.on_new_request(nxt)  # the tool is over
     assert side.stats.counter("events.derived_end") == 1
-    side.get_num_new_matched_tokens(nxt, 3 * BS)
+    ask(side, nxt, 3 * BS)
     admit(side, pool, nxt, hashes)
     assert side.stats.counter("next_turn.requests") == 1
     assert side.stats.counter("next_turn.prefix_tokens_recomputed") == 0
@@ -2250,7 +2366,7 @@ def test_recomputed_next_turn_blocks_say_why(pool: BlockPool, clock: Clock) -> N
         side.build_meta()
         req = request(rid, [*hashes, *chain(rid, 1)], (len(hashes) + 1) * BS + 1)
         side.on_new_request(req)
-        assert side.get_num_new_matched_tokens(req, 0) == 0
+        assert ask(side, req, 0) == 0
         side.update_state_after_alloc(req, [], 0)
 
     side = make_side(pool, clock, prefetch=False, early_save=False)
@@ -2293,7 +2409,8 @@ def _admit_after_critical_and_other_idle(
     free blocks: the 9 never used plus 3 more. ``stall=False``: the critical session's
     ``stall_begin`` never came, and ``silent_s`` passed before the plain request."""
     side = make_side(pool, clock, offload=False, **opts)
-    side.critical_last = critical_last
+    if critical_last:  # what SpatialScheduler sets when it takes over admission
+        take_over(side)
     crit, other = chain("crit", 3), chain("other", 3)
     finish_turn(side, pool, crit, "c1", session="run:C", next_tool=5.0, critical=True)
     finish_turn(side, pool, other, "o1", session="run:O", next_tool=5.0)
@@ -2305,7 +2422,7 @@ def _admit_after_critical_and_other_idle(
         put_on_host(side, crit)
     plain = request("p", chain("p", 1), 11 * BS, session=None)  # 11 blocks + 1
     side.on_new_request(plain)
-    side.get_num_new_matched_tokens(plain, 0)
+    ask(side, plain, 0)
     taken = bp.allocate(pool, 12)
     side.update_state_after_alloc(plain, [], 0)
     bp.release(pool, taken)
@@ -2370,7 +2487,7 @@ def _reserve_case(
     asking for ``blocks`` of the 15 free blocks (9 never used) while ``running`` requests run.
     ``shares_prompt``: the request's prompt starts with the critical chain (a shared prompt)."""
     side = make_side(pool, clock, offload=False, **opts)
-    side.critical_last = True
+    take_over(side)
     crit, other = chain("crit", crit_blocks), chain("other", 3)
     finish_turn(side, pool, crit, "c1", session="run:C", next_tool=5.0, critical=True)
     finish_turn(side, pool, other, "o1", session="run:O", next_tool=5.0)
@@ -2390,7 +2507,7 @@ def test_an_admission_that_may_wait_takes_other_idle_blocks_before_a_reserved_cr
     """Within its slack, a non-critical request evicts the other idle chain rather than the
     critical one, even though the critical chain is safe on host: no critical inversion."""
     side, req, crit, other = _reserve_case(pool, clock, blocks=12)
-    assert side.get_num_new_matched_tokens(req, 0) == 0  # admitted now: 12 other blocks are free
+    assert ask(side, req, 0) == 0  # admitted now: 12 other blocks are free
     taken = bp.allocate(pool, 12)
     side.update_state_after_alloc(req, [], 0)
     bp.release(pool, taken)
@@ -2406,13 +2523,13 @@ def test_an_admission_waits_for_the_critical_reserve_within_its_slack_then_is_ad
     """Only the critical chain could make room: the request waits (None: asked again next step)
     while it has slack left, then is admitted and takes it (a reload, not a recompute)."""
     side, req, _crit, _other = _reserve_case(pool, clock, blocks=14, slack=2.0)
-    assert side.get_num_new_matched_tokens(req, 0) is None
+    assert ask(side, req, 0) is None
     clock.t += 1.0
-    assert side.get_num_new_matched_tokens(req, 0) is None
+    assert ask(side, req, 0) is None
     assert side.stats.counter("spatial.critical_reserve_waits") == 2
     assert side.stats.counter("spatial.critical_reserve_waited_requests") == 1
     clock.t += 1.5  # its slack is spent: the reserve is lent
-    assert side.get_num_new_matched_tokens(req, 0) == 0
+    assert ask(side, req, 0) == 0
     taken = bp.allocate(pool, 14)
     side.update_state_after_alloc(req, [], 0)
     bp.release(pool, taken)
@@ -2433,12 +2550,12 @@ def test_the_reserve_clock_starts_at_arrival_or_at_the_first_look(
     )
     clock.t += 3.0  # queued behind other requests: vLLM's admission has not looked at it yet
     if waits:
-        assert side.get_num_new_matched_tokens(req, 0) is None
+        assert ask(side, req, 0) is None
         clock.t += 1.5
-        assert side.get_num_new_matched_tokens(req, 0) is None
+        assert ask(side, req, 0) is None
         assert side.stats.counter("spatial.critical_reserve_waited_requests") == 1
         clock.t += 1.0  # its slack is spent at the head too: the reserve is lent
-    assert side.get_num_new_matched_tokens(req, 0) == 0
+    assert ask(side, req, 0) == 0
     taken = bp.allocate(pool, 14)
     side.update_state_after_alloc(req, [], 0)
     bp.release(pool, taken)
@@ -2466,7 +2583,7 @@ def test_a_critical_inversion_is_late_when_the_admission_could_not_have_waited(
     if plain:
         req = request("p", chain("p", 1), 13 * BS, session=None)
         side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == 0, case
+    assert ask(side, req, 0) == 0, case
     taken = bp.allocate(pool, 14)  # the critical chain's blocks included
     side.update_state_after_alloc(req, [], 0)
     bp.release(pool, taken)
@@ -2488,7 +2605,7 @@ def test_an_admission_does_not_wait_for_the_reserve(
     pool: BlockPool, clock: Clock, case: str, kw: dict[str, Any]
 ) -> None:
     side, req, _crit, _other = _reserve_case(pool, clock, **{"blocks": 14, **kw})
-    assert side.get_num_new_matched_tokens(req, 0) == 0, case
+    assert ask(side, req, 0) == 0, case
     assert side.stats.counter("spatial.critical_reserve_waits") == 0
 
 
@@ -2501,7 +2618,7 @@ def test_an_admission_does_not_wait_for_a_reserved_chain_that_is_its_own_prefix_
     # 15 blocks asked: the 2 it hits (the critical chain) and 12 fresh + 1 of the 13 other free
     # blocks (10 never used, the other chain).
     side, req, crit, _other = _reserve_case(pool, clock, blocks=15, crit_blocks=2, shares_prompt=True)
-    assert side.get_num_new_matched_tokens(req, 2 * BS) == 0
+    assert ask(side, req, 2 * BS) == 0
     assert side.stats.counter("spatial.critical_reserve_waits") == 0
     assert side.stats.counter("spatial.critical_spared_blocks") == 0
     hits = [bp.cached_block(pool, h) for h in crit]
@@ -2517,7 +2634,7 @@ def test_a_plain_request_never_waits_for_the_reserve(pool: BlockPool, clock: Clo
     side, _req, crit, _other = _reserve_case(pool, clock, blocks=14)
     plain = request("p", chain("p", 1), 13 * BS, session=None)
     side.on_new_request(plain)
-    assert side.get_num_new_matched_tokens(plain, 0) == 0
+    assert ask(side, plain, 0) == 0
     assert side.stats.counter("spatial.critical_reserve_waits") == 0
     taken = bp.allocate(pool, 12)  # host-safe: the critical chain keeps its place (first out)
     bp.release(pool, taken)
@@ -2577,7 +2694,7 @@ def test_a_chain_cut_before_the_stall_was_decided_names_the_finish_decision(
     side.build_meta()
     req = request("r2", [*hashes, *chain("r2", 1)], 3 * BS + 1)
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == 0
+    assert ask(side, req, 0) == 0
     side.update_state_after_alloc(req, [], 0)
     assert side.stats.counter("next_turn.recomputed_why.lost_before_decision") == 2
     assert side.stats.counter("next_turn.lost_before_decision_after.no_pressure") == 2
@@ -2592,7 +2709,7 @@ def test_a_stall_named_like_a_copy_job_cannot_unpin_that_jobs_slots(pool: BlockP
     put_on_host(side, hashes)
     load_req = request("rv", [*hashes, *chain("vn", 1)], 3 * BS + 2, session="run:V")
     side.on_new_request(load_req)
-    assert side.get_num_new_matched_tokens(load_req, 0) == 2 * BS
+    assert ask(side, load_req, 0) == 2 * BS
     allocated = bp.allocate(pool, 3)
     side.update_state_after_alloc(load_req, [b.block_id for b in allocated], 2 * BS)
     (load,) = side.build_meta().jobs
@@ -2607,7 +2724,7 @@ def test_a_stall_named_like_a_copy_job_cannot_unpin_that_jobs_slots(pool: BlockP
     side.build_meta()
     nxt = request("rx2", [*hashes, *chain("x", 1)], 3 * BS + 2, session="run:X")
     side.on_new_request(nxt)
-    side.get_num_new_matched_tokens(nxt, 2 * BS)
+    ask(side, nxt, 2 * BS)
     admit(side, pool, nxt, hashes)
     side.request_finished(nxt)
     side.build_meta()
@@ -2645,7 +2762,7 @@ def test_a_preempted_request_counts_as_waiting_so_an_idle_engine_releases_holds(
     _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 60.0)
     req = request("p", chain("p", 1), 4 * BS, session=None)
     side.on_new_request(req)
-    side.get_num_new_matched_tokens(req, 0)
+    ask(side, req, 0)
     side.update_state_after_alloc(req, [], 0)
     assert not side._waiting
     side.observe_step(4 * BS, num_running=1)
@@ -2674,11 +2791,11 @@ def test_a_reserve_denial_lets_vllm_look_at_the_next_request(pool: BlockPool, cl
     _critical_and_other_held(side, pool, clock)
     big = request("big", chain("w", 1), 14 * BS, session="run:W")
     side.on_new_request(big)
-    assert side.get_num_new_matched_tokens(big, 0) is None
+    assert ask(side, big, 0) is None
     assert side.stats.counter("spatial.reserve_denials") == 1
     small = request("small", chain("s", 1), 4 * BS, session=None)  # fits in the free blocks
     side.on_new_request(small)
-    assert side.get_num_new_matched_tokens(small, 0) == 0
+    assert ask(side, small, 0) == 0
     assert set(side._kept) == {"run:A", "run:B"}
 
 
@@ -2687,7 +2804,7 @@ def test_released_holds_go_before_the_spared_critical_chain(pool: BlockPool, clo
     back, behind the critical chain the admission spared; they must be taken before it."""
     side = make_side(pool, clock, prefetch_quantile=None)
     _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 60.0, n=5)
-    side.critical_last = True
+    take_over(side)
     crit = chain("crit", 3)
     finish_turn(side, pool, crit, "c1", session="run:C", next_tool=60.0, critical=True)
     side.handle_event(begin("sC", "run:C", predicted=60.0))
@@ -2697,7 +2814,7 @@ def test_released_holds_go_before_the_spared_critical_chain(pool: BlockPool, clo
     free = bp.num_free(pool)
     req = request("n", chain("n", 1), free * BS + 1, session="run:N", slack=30.0)  # needs free + 1
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == 0
+    assert ask(side, req, 0) == 0
     assert "run:B" not in side._kept
     taken = bp.allocate(pool, free + 1)  # what vLLM allocates for it
     assert all(bp.cached_block(pool, h) is not None for h in crit)
@@ -2752,7 +2869,7 @@ def test_readiness_is_judged_when_the_request_arrives_not_when_vllm_first_asks(
     side.on_new_request(req)  # its chain is on host only, nothing loading, the device has room
     side.on_new_request(request("big", chain("w", 1), 14 * BS, session=None))  # then the queue fills
     assert side._room_for_chain("run:A", "r2") is False  # what a first-ask check would have seen
-    assert side.get_num_new_matched_tokens(req, 0) == 2 * BS
+    assert ask(side, req, 0) == 2 * BS
     allocated = bp.allocate(pool, 3)
     side.update_state_after_alloc(req, [b.block_id for b in allocated], 2 * BS)
     assert side.stats.counter("readiness.eligible") == 1
@@ -2774,7 +2891,7 @@ def test_a_prefetch_that_lands_while_the_request_queues_was_not_ready_for_it(
     (job,) = side.build_meta().jobs  # the upload starts only after the request came
     assert job.kind == "prefetch"
     answer(side, TokenCakeMetadata([job]))
-    assert side.get_num_new_matched_tokens(req, 2 * BS) == 0  # a device hit by admission
+    assert ask(side, req, 2 * BS) == 0  # a device hit by admission
     side.update_state_after_alloc(req, [], 0)
     assert side.stats.counter("readiness.eligible") == 1
     assert side.stats.counter("readiness.prefetched") == 0
@@ -2789,10 +2906,15 @@ def test_a_prefetch_that_lands_while_the_request_queues_was_not_ready_for_it(
 # ---- room kept ahead of returns (``return_reserve``)
 
 
-def _returning_case(pool: BlockPool, clock: Clock, mode: str = "on") -> tuple[SchedulerSide, list[bytes]]:
+def _returning_case(
+    pool: BlockPool, clock: Clock, mode: str = "on", *, scheduler: bool = True
+) -> tuple[SchedulerSide, list[bytes]]:
     """Session A's 3-block chain is on host only while its 4 s tool runs (due at 2 s, late end
-    at 8 s by the prior), one request runs, and the clock is at A's due time."""
+    at 8 s by the prior), one request runs, and the clock is at A's due time. ``scheduler``:
+    TokenCake's scheduler applies admission control (it keeps room only then)."""
     side = make_side(pool, clock, return_reserve=mode)
+    if scheduler:
+        side.enable_admission_control()
     return side, _due_return(side, pool, clock)
 
 
@@ -2836,26 +2958,31 @@ def test_a_due_return_is_prefetched_ahead_of_the_queue_and_its_room_kept(
     assert job.kind == "prefetch" and len(job.device_blocks) == 3  # the whole chain, not its head
     answer(side, TokenCakeMetadata([job]))
     assert "run:A" in side._kept and "run:A" in side._returning
-    assert side.get_num_new_matched_tokens(queued, 0) is None  # A's hold is not given to it
+    assert ask(side, queued, 0) is None  # A's hold is not given to it
     assert side.stats.counter("return_reserve.denials") == 1 and "run:A" in side._kept
     plan = side.planner.get("s1")
     assert plan is not None
     clock.t = plan.late_at + 0.01  # the tool ran past its likely return: the room is lent
     side.build_meta()
     assert side._returning == {}
-    assert side.get_num_new_matched_tokens(queued, 0) == 0 and "run:A" not in side._kept
+    assert ask(side, queued, 0) == 0 and "run:A" not in side._kept
 
 
-def test_without_kept_room_the_queue_gets_the_blocks_first(pool: BlockPool, clock: Clock) -> None:
-    """The same case with ``return_reserve=off``: the budget leaves the queue its demand (the
-    chain's head only) and the queued request takes the held head."""
-    side, _hashes = _returning_case(pool, clock, mode="off")
+@pytest.mark.parametrize(("mode", "scheduler"), [("off", True), ("on", False)])
+def test_without_kept_room_the_queue_gets_the_blocks_first(
+    pool: BlockPool, clock: Clock, mode: str, scheduler: bool
+) -> None:
+    """The same case with ``return_reserve=off``, or without TokenCake's scheduler (nothing could
+    hold an admission back for the room): the budget leaves the queue its demand (the chain's
+    head only) and the queued request takes the held head."""
+    side, _hashes = _returning_case(pool, clock, mode=mode, scheduler=scheduler)
     queued = request("q", chain("w", 1), 14 * BS, session="run:W")
     side.on_new_request(queued)
     (job,) = side.build_meta().jobs
     assert len(job.device_blocks) == 1 and side.stats.counter("prefetch.partial") == 1
+    assert side._returning == {}
     answer(side, TokenCakeMetadata([job]))
-    assert side.get_num_new_matched_tokens(queued, 0) == 0  # it fits beside the head
+    assert ask(side, queued, 0) == 0  # it fits beside the head
     assert side.stats.counter("return_reserve.denials") == 0
 
 
@@ -2870,19 +2997,19 @@ def test_kept_room_holds_back_only_an_agent_requests_first_admission(pool: Block
     bp.release(pool, running[:10])  # running requests finished: 11 free
     big = request("big", chain("w", 1), 9 * BS, session="run:W")  # would leave 2 < 3
     side.on_new_request(big)
-    assert side.get_num_new_matched_tokens(big, 0) is None
+    assert ask(side, big, 0) is None
     small = request("small", chain("s", 1), 8 * BS, session="run:S")  # leaves 3
     side.on_new_request(small)
-    assert side.get_num_new_matched_tokens(small, 0) == 0
+    assert ask(side, small, 0) == 0
     plain = request("plain", chain("p", 1), 9 * BS, session=None)
     side.on_new_request(plain)
-    assert side.get_num_new_matched_tokens(plain, 0) == 0
+    assert ask(side, plain, 0) == 0
     own = request("own", [*hashes, *chain("own", 1)], 9 * BS + 2, session="run:A")
     side.on_new_request(own)
-    assert side.get_num_new_matched_tokens(own, 0) == 3 * BS  # its own chain: loaded, not held back
+    assert ask(side, own, 0) == 3 * BS  # its own chain: loaded, not held back
     assert side.stats.counter("return_reserve.denials") == 1
     side.observe_step(0, num_running=0)  # nothing runs: waiting would idle the engine
-    assert side.get_num_new_matched_tokens(big, 0) == 0
+    assert ask(side, big, 0) == 0
     bp.release(pool, running[10:])
 
 
@@ -2892,6 +3019,7 @@ def test_while_room_is_kept_an_admission_releases_no_hold(pool: BlockPool, clock
     readiness from one return to another: 79 % instead of 85 % on the simulator's H200 stress
     model at 64 agents)."""
     side = make_side(pool, clock, return_reserve="on")
+    side.enable_admission_control()
     _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)  # B's likely return is past
     _due_return(side, pool, clock)
     running = bp.allocate(pool, bp.num_free(pool) - 1)  # no budget for A's upload
@@ -2899,11 +3027,11 @@ def test_while_room_is_kept_an_admission_releases_no_hold(pool: BlockPool, clock
     bp.release(pool, running[:10])  # 11 free, B holds 2
     w = request("w", chain("w", 1), 10 * BS, session="run:W")  # 10 blocks + A's 3 > 11 free
     side.on_new_request(w)
-    assert side.get_num_new_matched_tokens(w, 0) is None
+    assert ask(side, w, 0) is None
     assert "run:B" in side._kept and side.stats.counter("return_reserve.denials") == 1
     fits = request("fits", chain("f", 1), 8 * BS, session="run:F")  # 8 + 3 = 11: fits beside it
     side.on_new_request(fits)
-    assert side.get_num_new_matched_tokens(fits, 0) == 0 and "run:B" in side._kept
+    assert ask(side, fits, 0) == 0 and "run:B" in side._kept
     bp.release(pool, running[10:])
 
 

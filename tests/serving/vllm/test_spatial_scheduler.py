@@ -41,6 +41,23 @@ def req(
     return Request(rid, [1, 2, 3], params, None, arrival_time=arrival, priority=0)
 
 
+def vllm_scheduler(side: Any) -> Any:
+    """A stand-in for vLLM's ``Scheduler`` with the attributes ``check`` looks for, whose
+    connector's scheduler side is ``side``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        connector=SimpleNamespace(sched=side),
+        waiting=FCFSRequestQueue(),
+        running=[],
+        kv_cache_manager=SimpleNamespace(get_block_ids=lambda request_id: ([],)),
+        max_num_scheduled_tokens=2048,
+        num_lookahead_tokens=0,
+        max_model_len=4096,
+        block_size=16,
+    )
+
+
 def drain(queue: RequestQueue) -> list[str]:
     out = []
     while queue:
@@ -48,10 +65,34 @@ def drain(queue: RequestQueue) -> list[str]:
     return out
 
 
-def test_the_internals_it_needs_are_there() -> None:
+def test_the_internals_it_needs_are_there(monkeypatch: pytest.MonkeyPatch) -> None:
     assert spatial.check() is None
     assert issubclass(SpatialScheduler, Scheduler)
     assert isinstance(ScoredRequestQueue(), RequestQueue)
+    sched = vllm_scheduler(None)
+    assert spatial.check(sched) is None
+    del sched.max_num_scheduled_tokens
+    assert spatial.check(sched) == "vLLM's Scheduler lost max_num_scheduled_tokens"
+    monkeypatch.delattr(Scheduler, "_handle_blocked_waiting_request")
+    assert spatial.check() == "vLLM's Scheduler lost _handle_blocked_waiting_request"
+
+
+def test_vllms_admission_loop_still_asks_the_hooks_admission_control_relies_on() -> None:
+    """Admission control needs vLLM's waiting loop to call ``_handle_blocked_waiting_request``
+    for every request it peeks and to skip (not stop at) one it answers False for, and its
+    running loop to ask ``has_pending_block_frees`` before it preempts."""
+    import inspect
+    import re
+
+    src = inspect.getsource(Scheduler.schedule)
+    assert re.search(
+        r"ready_to_schedule = self\._handle_blocked_waiting_request\(request\)\s*"
+        r"if not ready_to_schedule:\s*skip_request\(request_queue\)\s*continue",
+        src,
+    )
+    assert "self.connector.has_pending_block_frees()" in src
+    hook = inspect.signature(Scheduler._handle_blocked_waiting_request)
+    assert list(hook.parameters) == ["self", "request"]
 
 
 def test_a_prefix_cache_reset_gives_the_policys_device_holds_back_first() -> None:
@@ -243,7 +284,7 @@ def test_the_kv_policy_chooses_the_admission_order() -> None:
 
     def swapped(policy: str) -> ScoredRequestQueue:
         side = SimpleNamespace(policy=make_policy(policy), holds_kv=lambda session: False)
-        sched = SimpleNamespace(connector=SimpleNamespace(sched=side), waiting=FCFSRequestQueue())
+        sched = vllm_scheduler(side)
         spatial._swap_waiting_queue(sched)
         assert isinstance(sched.waiting, ScoredRequestQueue)
         assert side.critical_last  # critical-path sessions' idle chains are now evicted last
@@ -256,13 +297,13 @@ def test_the_kv_policy_chooses_the_admission_order() -> None:
     side = SimpleNamespace(
         policy=make_policy("tokencake"), holds_kv=lambda session: False, opts=Options(critical_last=False)
     )
-    sched = SimpleNamespace(connector=SimpleNamespace(sched=side), waiting=FCFSRequestQueue())
+    sched = vllm_scheduler(side)
     spatial._swap_waiting_queue(sched)
     assert isinstance(sched.waiting, ScoredRequestQueue) and side.critical_last is False
     assert sched.waiting.scorer.weights == SpatialWeights()
     # A deployment can name the order (bench system ``apps-side-by-side``).
     side.opts = Options(admission="apps-side-by-side")
-    sched = SimpleNamespace(connector=SimpleNamespace(sched=side), waiting=FCFSRequestQueue())
+    sched = vllm_scheduler(side)
     spatial._swap_waiting_queue(sched)
     assert sched.waiting.scorer.weights == admission_weights("apps-side-by-side") != SpatialWeights()
 

@@ -23,6 +23,11 @@ block-pool and host-pool mutation happens on the engine thread, in the hooks vLL
     session's chain is safely on host, its idle device blocks move to the *front* of vLLM's
     eviction queue (latest predicted return first), and back to the end when its prefetch falls
     due or the tool returns.
+``admit`` (TokenCake's scheduler, before vLLM's own admission test)
+    admission control: release the held chains a waiting request needs the blocks of, or have it
+    wait this pass (vLLM skips it and looks at the next one) for room kept ahead of returns, the
+    critical reserve, or a running request that held chains just gave their blocks to — each
+    wait bounded (``tokencake.serving.admission``). Without that scheduler nothing is held back.
 ``get_num_new_matched_tokens`` / ``update_state_after_alloc``
     demand load: count host-pool hits past the device prefix, map them to the blocks vLLM
     allocated, and plan a synchronous host → device load. A request whose prefetch is still
@@ -56,6 +61,7 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from tokencake.events import META_KEY, EventAck, NextStall, RequestMeta, StallBegin, StallEnd
+from tokencake.serving.admission import ADMIT, CRITICAL_RESERVE, KEPT_ROOM, Room, room_for, within_wait_bound
 from tokencake.serving.forecast import DurationForecaster
 from tokencake.serving.gate import GateInput, OffloadGate, TransferModel, remaining_s
 from tokencake.serving.host_pool import HostPool, HostPoolExhausted, preemption_victims
@@ -308,6 +314,9 @@ class KVCore:
     #: (``scheduler.py``) turns this on when it takes over admission; off, the order is by
     #: predicted return only, as measured for the default server.
     critical_last: bool = False
+    #: TokenCake's scheduler applies :meth:`admit` in vLLM's admission loop
+    #: (:meth:`enable_admission_control`); off, nothing holds an admission back (see :meth:`admit`).
+    admission_control: bool = False
 
     def __init__(
         self,
@@ -320,6 +329,7 @@ class KVCore:
         max_step_tokens: int = 2048,
         lookahead_tokens: int = 0,
         watermark: float = 0.0,
+        full_sequence_must_fit: bool = True,
         options: Options | None = None,
         clock: Callable[[], float] = time.monotonic,
         profile: PrefillProfile | None = None,
@@ -334,6 +344,12 @@ class KVCore:
         #: run, this share of the device left free (``--watermark``): ``_make_room`` counts both.
         self.lookahead_tokens = max(0, int(lookahead_tokens))
         self.watermark = max(0.0, float(watermark))
+        #: vLLM admits a request only if its whole prompt fits (``scheduler_reserve_full_isl``),
+        #: else if this step's chunk does.
+        self.full_sequence_must_fit = bool(full_sequence_must_fit)
+        #: Blocks vLLM's running requests still need this step (TokenCake's scheduler counts them).
+        self._running_need: Callable[[], int] | None = None
+        self._said_admission_off = False
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.num_workers = max(1, num_workers)
@@ -446,10 +462,12 @@ class KVCore:
         #: Seconds between consecutive busy steps (the engine acts on a copy only at a step boundary).
         self._step_gaps: deque[float] = deque(maxlen=64)
         self._last_step: tuple[float, int] | None = None
-        #: Requests the last step scheduled (each may need a new block for its next token).
+        #: Requests the last step scheduled (each may need a new block for its next token); during
+        #: admission, vLLM's running requests (``admit``).
         self._running = 0
-        #: Holds yielded to a running request this scheduling pass (``free_for_running``): the
-        #: pass admits no waiting request, so the freed blocks are the running request's.
+        #: Holds yielded to a running request this scheduling pass (``free_for_running``): with
+        #: TokenCake's scheduler the pass admits no waiting request (bounded: ``admit``), so the
+        #: freed blocks are the running request's.
         self._running_short = False
         #: The last pass ended that way: its step spares no block for a prefetch (``_keep_free``),
         #: or the blocks just given back would be taken again before the running request's turn.
@@ -471,7 +489,8 @@ class KVCore:
         #: Request id -> arrival time (the queueing delay policies learn from).
         self._arrival: dict[str, float] = {}
         #: Request id -> when vLLM's admission first looked at it (the head of the queue), until
-        #: admitted: the critical reserve's clock with ``critical_reserve_wait_from = "head"``.
+        #: admitted (a preempted request's next admission starts a new look): the clock of
+        #: ``admission_wait_s``, and the critical reserve's with ``critical_reserve_wait_from = "head"``.
         self._first_look: dict[str, float] = {}
         self.stats.register("host_pool", self.host.stats)
         self.stats.register("sessions", self.sessions.stats)
@@ -490,6 +509,13 @@ class KVCore:
     def set_wake(self, wake: Callable[[], None] | None) -> None:
         """A thread-safe callback that makes an idle engine run one step (None: none available)."""
         self._wake = wake
+
+    def enable_admission_control(self, running_need: Callable[[], int] | None = None) -> None:
+        """TokenCake's scheduler asks :meth:`admit` about every waiting request vLLM looks at;
+        ``running_need``: the blocks vLLM's running requests still need this step (what held
+        chains yield to them at once, :meth:`free_for_running`)."""
+        self.admission_control = True
+        self._running_need = running_need
 
     def _poke(self) -> None:
         if self._wake is not None:
@@ -1080,18 +1106,29 @@ class KVCore:
         """vLLM found no free block for a running request and is about to preempt one (it asks
         ``has_pending_block_frees`` first). A held chain is a device copy of KV we chose to keep,
         so it yields before any running request loses its own: release holds (latest return
-        first, critical ones last, the reserve included) until a block frees.
+        first, critical ones last, the reserve included) until the running requests have the
+        blocks they still need this step (TokenCake's scheduler counts them, ``running_need``;
+        without it, until one block frees) — all at once, so a chunk that needs more blocks
+        than one hold frees is not stalled a step per hold.
 
-        True: vLLM schedules no further running request this pass, and this pass admits no
-        waiting one (``get_num_new_matched_tokens`` says "next step"), so the request allocates
-        next step instead of being preempted. False (nothing held, or releasing frees nothing:
-        the blocks are shared with running requests): vLLM preempts, as stock vLLM does.
+        True: vLLM schedules no further running request this pass, and with TokenCake's
+        scheduler this pass admits no waiting one (:meth:`admit`), so the request allocates next
+        step instead of being preempted (without that scheduler an admission may take the freed
+        blocks first). False (nothing held, or releasing frees nothing: the blocks are shared
+        with running requests): vLLM preempts, as stock vLLM does.
         """
         pool = self.pool
         if pool is None or not self._kept:
             return False
         before = pool.num_free()
-        self._release_kept_until(lambda: pool.num_free() > before, "running")
+        target = before + 1
+        if self._running_need is not None:
+            try:
+                target = max(target, int(self._running_need()))
+            except Exception:  # the count is an optimisation: yield one block's worth without it
+                self.stats.inc("errors.running_need")
+                log.exception("TokenCake: counting the running requests' blocks failed")
+        self._release_kept_until(lambda: pool.num_free() >= target, "running")
         if pool.num_free() <= before:
             return False
         self._running_short = True
@@ -1125,10 +1162,10 @@ class KVCore:
         device or host copy from block 0) that no one but its own hold references: missing
         ones and idle cached ones, which an admission's allocation would take. The chain is
         walked once, when the window opens (cheap per step at any scale); its hold, as it grows
-        with the upload, is subtracted."""
+        with the upload, is subtracted. Only with TokenCake's scheduler (``admission_control``)."""
         pool = self.pool
-        if not self.reserves_returns or pool is None or not self._stalls:
-            return {}
+        if not (self.reserves_returns and self.admission_control) or pool is None or not self._stalls:
+            return {}  # (without TokenCake's scheduler no admission could be held back for it)
         due: list[_Stall] = []
         for stall in self._stalls.values():
             if (
@@ -1179,71 +1216,83 @@ class KVCore:
         agent request's first admission (``waited`` finite), while requests run (their finishing
         frees blocks; an engine that would idle never waits), never its own session's. Plain
         requests (first come, first served) and re-admissions of preempted ones are never held
-        back."""
+        back; nor is a request past ``admission_wait_s`` (:meth:`_make_room` lends it the room)."""
         if not self._returning or info is None or not math.isfinite(waited) or self._running == 0:
             return frozenset()
         return frozenset(sid for sid in self._returning if sid != own)
 
-    def _make_room(self, request: RequestView, num_computed_tokens: int) -> bool:
-        """A waiting request is about to be allocated: release holds it needs the blocks of (and,
-        spatial scheduler on, keep idle critical chains out of its eviction window).
+    def _make_room(self, request: RequestView, hits: list[bytes], *, enforce: bool) -> bool:
+        """A waiting request is about to be allocated (its device prefix hits: ``hits``): release
+        the holds it needs the blocks of; with ``enforce`` (TokenCake's scheduler, :meth:`admit`)
+        also leave the room kept for other sessions' due returns and the critical reserve, and
+        keep idle critical chains out of its eviction window.
 
-        Runs inside vLLM's admission (before ``allocate_slots``), so a held chain never delays a
-        request that could otherwise run; when even releasing every hold would not make it fit,
-        nothing is released (the request waits for running ones either way). True: the request
-        waits a step for the critical reserve instead — idle critical chains
-        (``_spare_critical_chains``) or held ones (``_protected``) — and vLLM looks at the next one.
+        Runs inside vLLM's admission (before ``allocate_slots``) with vLLM's own test
+        (:meth:`_admission_need`), so a held chain never delays a request that could otherwise
+        run; when even releasing every hold would not make it fit, nothing is released (vLLM's
+        test turns it away as stock vLLM's would). While room is kept against it, it releases no
+        hold (held chains are of sessions about to return too). True (``enforce`` only): it
+        waits this pass — it does not fit beside room kept for returns (at most
+        ``admission_wait_s``; past it the room is lent), or would fit only with the critical
+        reserve lent (``_protected``), or would evict an idle critical chain
+        (``_spare_critical_chains``) — and vLLM looks at the next request. The rule is
+        :func:`tokencake.serving.admission.room_for`.
         """
         pool = self.pool
         if pool is None or not (
-            self._kept or self._returning or (self.critical_last and len(self._critical_idle))
+            self._kept or (enforce and (self._returning or (self.critical_last and len(self._critical_idle))))
         ):
             return False
-        info = self._reqs.get(request.request_id)
+        req_id = request.request_id
+        info = self._reqs.get(req_id)
         own = info.session_id if info is not None else ""
-        computed = list(request.block_hashes)[: num_computed_tokens // self.block_size]
-        # vLLM's own test in ``allocate_slots``: the blocks the whole prompt (and its lookahead
-        # slots) takes beyond its hits, plus the hits that sit in the free queue (it counts them
-        # against the free blocks too), plus the watermark while requests run. An upper bound
-        # when vLLM schedules only a chunk of the prompt this step.
-        evictable = 0
-        for h in computed:
-            block = pool.cached(bytes(h))
-            evictable += block is not None and block.ref_cnt == 0
-        extra = evictable - len(computed)
-        if self._running:
-            extra += int(self.watermark * pool.num_blocks)
-        need = -(-(int(request.num_tokens) + self.lookahead_tokens) // self.block_size) + extra
-        waited = self._reserve_waited(request.request_id)
-        own_hits = frozenset(bytes(h) for h in computed)
-        # Room kept ahead of returns (``_reserve_returns``): the admission waits unless this step's
-        # share of its prompt fits beside the kept room — counted like the rest, with vLLM's chunk
-        # bound (``max_num_batched_tokens``): the later chunks it takes as a running request — and
-        # it releases no hold (held chains are of sessions about to return too).
-        returning = self._returning_against(info, own, waited)
-        if returning:
-            step = min(int(request.num_tokens), num_computed_tokens + self.max_step_tokens)
-            step_need = -(-(step + self.lookahead_tokens) // self.block_size) + extra
-            if pool.num_free() - step_need < sum(self._returning[sid] for sid in returning):
+        need, evictable = self._admission_need(request, hits)
+        waited = self._reserve_waited(req_id)
+        returning = self._returning_against(info, own, waited) if enforce else frozenset()
+        protect = self._protected(info, waited) if enforce else frozenset()
+        verdict, target = self._room_verdict(need, own, protect, returning)
+        if verdict == KEPT_ROOM:
+            if self._hold_back(req_id, "return_reserve"):
                 self.stats.inc("return_reserve.denials")
                 return True
-        elif self._kept and pool.num_free() < need:
-            protect = self._protected(info, waited)
-            releasable = self._releasable(
-                k for k in self._kept.values() if k.session_id != own and k.session_id not in protect
-            )
-            if pool.num_free() + releasable >= need:
-                self._release_kept_until(lambda: pool.num_free() >= need, "room", spare=own, protect=protect)
-            elif protect and pool.num_free() + releasable + self._protected_blocks(protect) >= need:
-                # It would fit if the reserve were lent: it waits a step (bounded by
-                # critical_reserve_wait_s) and vLLM looks at the next request, instead of failing
-                # its allocation, which stops vLLM's admission loop for everyone behind it.
-                self.stats.inc("spatial.reserve_denials")
-                return True
+            returning = frozenset()  # waited its bound: the kept room is lent to it
+            verdict, target = self._room_verdict(need, own, protect, returning)
+        if verdict == CRITICAL_RESERVE:
+            # It would fit if the reserve were lent: it waits (bounded by its slack and
+            # critical_reserve_wait_s, ``_protected``) and vLLM looks at the next request.
+            self.stats.inc("spatial.reserve_denials")
+            self.stats.inc("admission.held_back.critical_reserve")
+            return True
+        if target > pool.num_free():  # (never while room is kept against it)
+            keep = protect | returning
+            self._release_kept_until(lambda: pool.num_free() >= target, "room", spare=own, protect=keep)
         # After any release: released blocks join the back of the free queue, and the critical
         # chains this spares must stay behind them. (It can only ask the request to wait when
         # the request fits without releasing anything, so nothing is released for a waiter.)
-        return self._spare_critical_chains(info, need, waited, own_hits, evictable)
+        if not enforce:
+            return False
+        return self._spare_critical_chains(info, need, waited, frozenset(hits), evictable)
+
+    def _room_verdict(
+        self, need: int, own: str, protect: frozenset[str], returning: frozenset[str]
+    ) -> tuple[str, int]:
+        """:func:`room_for` on the device now: the holds this admission may take (not its own
+        session's, the reserve's or returning sessions'), then those of returning sessions,
+        then the reserve's (each counted with those before it: shared blocks free only together)."""
+        assert self.pool is not None
+        free = self.pool.num_free()
+        kept = sum(self._returning[sid] for sid in returning)
+        if free >= need + kept:
+            return ADMIT, 0
+        others = [k for k in self._kept.values() if k.session_id != own]
+        takes = [k for k in others if k.session_id not in protect and k.session_id not in returning]
+        back = [k for k in others if k.session_id in returning and k.session_id not in protect]
+        lent = [k for k in others if k.session_id in protect]
+        holds = self._releasable(takes)
+        with_back = self._releasable(takes + back) if back else holds
+        with_lent = self._releasable(takes + back + lent) if lent else with_back
+        room = Room(free, need, kept, holds, with_back - holds, with_lent - with_back)
+        return room_for(room)
 
     def _watch_critical(self, session_id: str, hashes: tuple[bytes, ...], until: float) -> None:
         self._unwatch_critical(session_id)
@@ -1334,6 +1383,7 @@ class KVCore:
         if not pool.in_eviction_window(reserved, window, skip):
             return False
         self.stats.inc("spatial.critical_reserve_waits")  # steps an admission waited
+        self.stats.inc("admission.held_back.critical_chain")
         if info is not None and not info.reserve_waited:
             info.reserve_waited = True
             self.stats.inc("spatial.critical_reserve_waited_requests")
@@ -1368,67 +1418,176 @@ class KVCore:
             return False
         return waited_s < min(info.slack_s, self.opts.critical_reserve_wait_s)
 
-    def _protected_blocks(self, protect: frozenset[str]) -> int:
-        return sum(k.releasable for k in self._kept.values() if k.session_id in protect)
+    # ---- admission (TokenCake's scheduler) and demand load
+    def admit(self, request: RequestView, num_running: int) -> bool:
+        """TokenCake's scheduler asks this about every waiting request vLLM's admission loop looks
+        at, before vLLM's own test (``num_running``: vLLM's running requests). True: vLLM goes on
+        with it — having made room: the held chains it needs the blocks of are released
+        (:meth:`_make_room`). False: it waits this pass; vLLM skips it and looks at the next one.
 
-    # ---- demand load
-    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> int | None:
-        """Host-pool hits past the device prefix (tokens); None = ask again next step.
-
-        None while a prefetch of the request's own session is being copied (the blocks are about
-        to appear in the device prefix cache, loading them a second time would waste the copy),
-        or while it waits for the critical reserve (``_spare_critical_chains``).
+        A request waits while held chains just gave their blocks to a running request this pass
+        (``free_for_running``) or while it would take room kept for other sessions' due returns —
+        each at most ``admission_wait_s`` after vLLM first looked at it — or for the critical
+        reserve (within its node's slack and ``critical_reserve_wait_s``). Each pass it waits is
+        counted (``admission.held_back.<reason>``), and each time its bound let it go on
+        (``admission.past_bound.<reason>``). A request waiting for its own session's prefetch
+        goes on here and waits in :meth:`get_num_new_matched_tokens` (vLLM's "not yet"), with no
+        room made for it. A request that holds KV already (a finished asynchronous load) is left
+        to vLLM.
         """
         req_id = request.request_id
-        if req_id in self._arrival and req_id not in self._first_look:
-            self._first_look[req_id] = self.clock()
-        if self._running_short:  # a running request gets the blocks held chains just gave back
+        self._look(req_id)
+        self._running = max(0, int(num_running))  # vLLM's watermark and "while requests run"
+        if int(getattr(request, "num_computed_tokens", 0) or 0) > 0:
+            return True
+        if self._running_short and self._hold_back(req_id, "running"):
             self.stats.inc("hold.admission_waits_for_running")
-            return None
+            return False
+        info = self._reqs.get(req_id)
+        if info is not None:
+            self._drain(self.clock())  # queued stall transitions may change what is held
+            if self._waits_for_prefetch(info, count=False):
+                return True
+        return not self._make_room(request, self._local_hits(request), enforce=True)
+
+    def _look(self, req_id: str) -> None:
+        """vLLM's admission looks at the request (the first look starts its wait clocks)."""
+        if req_id not in self._first_look:
+            self._first_look[req_id] = self.clock()
+
+    def _hold_back(self, req_id: str, reason: str) -> bool:
+        """Whether the request may wait this pass for ``reason``: until ``admission_wait_s``
+        after vLLM first looked at it. Counts the pass it waits, or that it went on past its
+        bound."""
+        if within_wait_bound(self._first_look.get(req_id), self.clock(), self.opts.admission_wait_s):
+            self.stats.inc(f"admission.held_back.{reason}")
+            return True
+        self.stats.inc(f"admission.past_bound.{reason}")
+        return False
+
+    def _waits_for_prefetch(self, info: _ReqInfo, *, count: bool) -> bool:
+        """Whether the request waits for its session's prefetch copy: at most ``prefetch_wait_s``
+        after the copy was issued. ``count``: count it (once per request) and the give-up."""
+        job = self._jobs.get(self._prefetching.get(info.session_id, 0))
+        if job is None:
+            return False
+        if count and not info.waited_for_prefetch:
+            info.waited_for_prefetch = True
+            self.stats.inc("demand_load.waited_for_prefetch")
+        if self.clock() - job.issued_at < self.opts.prefetch_wait_s:
+            return True
+        if count:
+            # A copy this slow is not worth waiting for: load on demand (the prefetch's blocks
+            # are its own; whichever lands second is simply not published).
+            self.stats.inc("demand_load.gave_up_waiting")
+        return False
+
+    def _local_hits(self, request: RequestView) -> list[bytes]:
+        """The request's device prefix hit as vLLM's lookup will find it: its block hashes cached
+        on device, unbroken from block 0, leaving a token to compute; none for a request that
+        reads no prefix cache (``prompt_logprobs``)."""
+        if self.pool is None or getattr(request, "skip_reading_prefix_cache", False):
+            return []
+        hits: list[bytes] = []
+        for h in list(request.block_hashes)[: (int(request.num_tokens) - 1) // self.block_size]:
+            h = bytes(h)
+            if self.pool.cached(h) is None:
+                break
+            hits.append(h)
+        return hits
+
+    def _admission_need(self, request: RequestView, hits: list[bytes]) -> tuple[int, int]:
+        """``(need, evictable)`` by vLLM's test in ``allocate_slots``: the blocks the prompt and
+        its lookahead slots take beyond its prefix ``hits`` — the whole prompt when vLLM admits
+        only what fits whole (``full_sequence_must_fit``, its default), else this step's chunk
+        (``max_num_batched_tokens`` past the hits and the host-pool hits loaded into new
+        blocks) — plus the hits that sit in the free queue (vLLM counts them against the free
+        blocks too: ``evictable``), plus the watermark while requests run. An upper bound by
+        the lookahead slots of a chunk that ends before the prompt does."""
+        assert self.pool is not None
+        evictable = 0
+        for h in hits:
+            block = self.pool.cached(h)
+            evictable += block is not None and block.ref_cnt == 0
+        tokens = int(request.num_tokens)
+        if not self.full_sequence_must_fit:
+            first = len(hits)
+            computed = (first + len(self._host_hits(request, first)[0])) * self.block_size
+            tokens = min(tokens, computed + self.max_step_tokens)
+        need = -(-(tokens + self.lookahead_tokens) // self.block_size) - len(hits) + evictable
+        if self._running:
+            need += int(self.watermark * self.pool.num_blocks)
+        return need, evictable
+
+    def _host_hits(self, request: RequestView, first: int) -> tuple[list[bytes], list[int]]:
+        """The hashes and host slots of the request's blocks from block ``first`` on that the host
+        pool has, unbroken, leaving a token to compute (vLLM needs one to sample from)."""
+        if not self.opts.demand_load or self.pool is None or self.host.num_blocks == 0:
+            return [], []
+        limit = (int(request.num_tokens) - 1) // self.block_size
+        used: list[bytes] = []
+        found: list[int] = []
+        for h in list(request.block_hashes)[first:limit]:
+            slot = self.host.lookup(bytes(h))
+            if slot is None:
+                break
+            used.append(bytes(h))
+            found.append(slot)
+        return used, found
+
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> int | None:
+        """Host-pool hits past the device prefix (tokens); None = "not yet", ask again next step:
+        only while a prefetch of the request's own session is being copied (the blocks are about
+        to appear in the device prefix cache, loading them a second time would waste the copy),
+        at most ``prefetch_wait_s``.
+
+        Admission rules are :meth:`admit`'s, applied by TokenCake's scheduler. Without it
+        (vLLM's own ``--scheduler-cls``) this only releases the holds the request needs the
+        blocks of: nothing is held back — a "not yet" vLLM ignores for a request that reads no
+        prefix cache cannot be a veto — so room kept ahead of returns, the critical reserve and
+        the wait for a running request that held chains gave their blocks to are off (logged
+        once).
+        """
+        req_id = request.request_id
+        self._look(req_id)
         info = self._reqs.get(req_id)
         if info is not None:
             self._local_hit[req_id] = num_computed_tokens
             # Stall transitions may still be queued (no step since they arrived): apply them now so
             # this request is accounted against its stall. Only bookkeeping and pins happen here.
             self._drain(self.clock())
-            job = self._jobs.get(self._prefetching.get(info.session_id, 0))
-            if job is not None:
-                if not info.waited_for_prefetch:
-                    info.waited_for_prefetch = True
-                    self.stats.inc("demand_load.waited_for_prefetch")
-                if self.clock() - job.issued_at < self.opts.prefetch_wait_s:
-                    return None
-                # A copy this slow is not worth waiting for: load on demand (the prefetch's blocks
-                # are its own; whichever lands second is simply not published).
-                self.stats.inc("demand_load.gave_up_waiting")
-        # Admitted this step unless it waits for the critical reserve: make room for it now (not
-        # before a wait for its own prefetch, which would give others' holds away for nothing).
+            if self._waits_for_prefetch(info, count=True):
+                self.stats.inc("admission.held_back.prefetch")
+                return None
         if (info is None or not info.critical) and len(self._critical_idle) and self._critical_before is None:
             self._critical_before = self._critical_cached()  # once per scheduling pass (kept current)
-        try:
-            if self._make_room(request, num_computed_tokens):
-                return None  # it waits a step for the critical reserve (``_spare_critical_chains``)
-        except Exception:  # room is an optimisation: never fail the admission over it
-            self.stats.inc("errors.make_room")
-            log.exception("TokenCake: releasing holds for %s failed", req_id)
+        if not self.admission_control:
+            self._say_admission_off()
+            try:  # room for it now (not before a wait for its own prefetch: that would give holds away)
+                computed = list(request.block_hashes)[: num_computed_tokens // self.block_size]
+                self._make_room(request, [bytes(h) for h in computed], enforce=False)
+            except Exception:  # room is an optimisation: never fail the admission over it
+                self.stats.inc("errors.make_room")
+                log.exception("TokenCake: releasing holds for %s failed", req_id)
         if not self.opts.demand_load or self.pool is None or self.host.num_blocks == 0:
             return 0
         first = num_computed_tokens // self.block_size
-        # Leave at least one prompt token to compute (vLLM needs a token to sample from).
-        limit = (request.num_tokens - 1) // self.block_size
-        hashes = list(request.block_hashes)[first:limit]
-        found: list[int] = []
-        for h in hashes:
-            slot = self.host.lookup(bytes(h))
-            if slot is None:
-                break
-            found.append(slot)
+        used, found = self._host_hits(request, first)
         if not found:
             self._pending_load.pop(req_id, None)
             return 0
-        used = [bytes(h) for h in hashes[: len(found)]]
         self._pending_load[req_id] = (first, used, found)
         return len(found) * self.block_size
+
+    def _say_admission_off(self) -> None:
+        if not self._said_admission_off:
+            self._said_admission_off = True
+            log.warning(
+                "TokenCake: admission control off (vLLM's own scheduler, not --scheduler-cls %s): "
+                "no room kept ahead of returns, no critical reserve, and admissions may take the "
+                "blocks held chains give back for a running request",
+                "tokencake.serving.vllm.scheduler.SpatialScheduler",
+            )
 
     def _record_provenance(
         self, request: RequestView, info: _ReqInfo | None, local_tokens: int, host_tokens: int

@@ -194,6 +194,7 @@ def _options(extra: dict[str, Any]) -> Options:
         "critical_reserve_frac": float,
         "critical_reserve_wait_s": float,
         "return_reserve_frac": float,
+        "admission_wait_s": float,
         "job_timeout_s": float,
         "reevaluate_max_s": float,
         "min_waiting": int,
@@ -320,6 +321,9 @@ class TokenCakeConnector(KVConnectorBase_V1):
             max_step_tokens=int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 2048),
             lookahead_tokens=_lookahead_tokens(vllm_config),
             watermark=float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0),
+            full_sequence_must_fit=bool(
+                getattr(vllm_config.scheduler_config, "scheduler_reserve_full_isl", True)
+            ),
             device_is_cuda=cuda,
             options=opts,
             profile=PrefillProfile(device_is_cuda=cuda, path=_profile_file(vllm_config, extra, cuda)),
@@ -453,6 +457,23 @@ class TokenCakeConnector(KVConnectorBase_V1):
             self.sched.on_new_request(request)
         except Exception:
             self._count_error("on_new_request")
+
+    def enable_admission_control(self, running_need: Callable[[], int] | None = None) -> bool:
+        """TokenCake's scheduler applies :meth:`admit` to every waiting request vLLM looks at (see
+        ``SchedulerSide.admit``); False: there is no scheduler side to ask (passing through)."""
+        if self.sched is None:
+            return False
+        self.sched.enable_admission_control(running_need)
+        return True
+
+    @_timed
+    def admit(self, request: Request, num_running: int) -> bool:
+        """Called by TokenCake's scheduler for each waiting request vLLM's admission loop looks at:
+        False = skip it this pass (vLLM looks at the next one). A failure answers True, vLLM's
+        own admission."""
+        if self.sched is None:
+            return True
+        return bool(self._ask("admit", lambda s: s.admit(request, num_running), True))
 
     @_timed
     def get_num_new_matched_tokens(

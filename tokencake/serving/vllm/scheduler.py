@@ -1,16 +1,28 @@
-"""``--scheduler-cls``: vLLM's own scheduler, admitting waiting requests in spatial-score order.
+"""``--scheduler-cls``: vLLM's own scheduler, admitting waiting requests in spatial-score order
+under TokenCake's admission control.
 
 vLLM admits from ``Scheduler.waiting``; under ``--scheduling-policy priority`` (what every
 TokenCake server runs) that is a heap by the client's integer ``priority``, then arrival. The
 :class:`SpatialScheduler` swaps it, once at start-up, for a :class:`ScoredRequestQueue` ordered by
 the score of ``tokencake/serving/spatial.py``: the DAG position the SDK sends, the app's age, the
-preemptions a request suffered and, through the arrival time, how long it has waited. Nothing else
-of vLLM changes: preemption still picks its victim by ``priority``, running requests are never
-denied blocks, the connector's hooks are the same.
+preemptions a request suffered and, through the arrival time, how long it has waited.
 
-The swap relies on two internals of vLLM 0.32: the ``waiting`` attribute and the ``RequestQueue``
-interface (``add/pop/peek/prepend/remove``). :func:`check` verifies both on the versions
-:data:`SUPPORTED` lists; anywhere else the scheduler logs why and keeps vLLM's own queue.
+Admission control (``tokencake/serving/admission.py``): for every waiting request vLLM's admission
+loop looks at, the scheduler asks the connector (``SchedulerSide.admit``) before vLLM's own test
+whether it goes on — the held chains it needs the blocks of released — or waits this pass, which
+vLLM applies as it does for any request not ready yet (``_handle_blocked_waiting_request``: skip
+it, look at the next one), never as a failed allocation, which stops admission for everyone
+behind. Every wait is bounded, so the score's starvation bound
+(:meth:`~tokencake.serving.spatial.SpatialScorer.max_overtake_s`) holds up to that wait. When held
+chains yield to a running request (``has_pending_block_frees``), the scheduler tells the connector
+how many blocks the running requests still need this step. Nothing else of vLLM changes:
+preemption still picks its victim by ``priority``, running requests are never denied blocks.
+
+This relies on internals of vLLM 0.32: the ``waiting`` attribute and the ``RequestQueue``
+interface (``add/pop/peek/prepend/remove``), ``_handle_blocked_waiting_request`` (called for every
+request the admission loop peeks) and the attributes :meth:`_AdmissionControl._running_need`
+reads. :func:`check` verifies them on the versions :data:`SUPPORTED` lists; anywhere else the
+scheduler logs why and stays vLLM's own (queue and admission).
 ``tests/serving/vllm/test_spatial_scheduler.py`` fails when they change.
 """
 
@@ -47,19 +59,41 @@ _QUEUE_METHODS = (
     "remove_requests",
 )
 
+#: The per-request "proceed or skip this step" hook of vLLM's admission loop.
+_ADMISSION_HOOK = "_handle_blocked_waiting_request"
+#: What ``_running_need`` reads of the scheduler (set in ``Scheduler.__init__``).
+_SCHEDULER_FIELDS = (
+    "running",
+    "kv_cache_manager",
+    "max_num_scheduled_tokens",
+    "num_lookahead_tokens",
+    "max_model_len",
+    "block_size",
+)
+
 __all__ = ["SUPPORTED", "ScoredRequestQueue", "SpatialScheduler", "check", "scheduler_base"]
 
 
 def check(scheduler: Any = None) -> str | None:
-    """None when the waiting queue can be swapped; else a one-line reason why not."""
+    """None when the waiting queue can be swapped and admission control applied; else a
+    one-line reason why not."""
     version = getattr(vllm, "__version__", "?")
     if not version.startswith(SUPPORTED):
         return f"vllm {version} not in supported versions {SUPPORTED}"
     missing = [m for m in _QUEUE_METHODS if not callable(getattr(RequestQueue, m, None))]
     if missing:
         return f"vLLM's RequestQueue lost {', '.join(missing)}"
-    if scheduler is not None and not isinstance(getattr(scheduler, "waiting", None), RequestQueue):
+    if not callable(getattr(Scheduler, _ADMISSION_HOOK, None)):
+        return f"vLLM's Scheduler lost {_ADMISSION_HOOK}"
+    if scheduler is None:
+        return None
+    if not isinstance(getattr(scheduler, "waiting", None), RequestQueue):
         return "Scheduler.waiting is not a RequestQueue"
+    lost = [f for f in _SCHEDULER_FIELDS if not hasattr(scheduler, f)]
+    if lost:
+        return f"vLLM's Scheduler lost {', '.join(lost)}"
+    if not callable(getattr(scheduler.kv_cache_manager, "get_block_ids", None)):
+        return "vLLM's KVCacheManager lost get_block_ids"
     return None
 
 
@@ -230,16 +264,72 @@ class _ReleasesHoldsOnReset:
         return super().reset_prefix_cache(reset_running_requests, reset_connector)  # type: ignore[misc]
 
 
-class _SyncSpatialScheduler(_ReleasesHoldsOnReset, Scheduler):
+class _AdmissionControl:
+    """vLLM's admission loop asks ``_handle_blocked_waiting_request`` about every waiting
+    request it peeks: False skips it this pass (vLLM looks at the next one). After vLLM's own
+    reasons (a load or grammar not ready), the connector's: ``admit`` (see the module)."""
+
+    running: list[Request]
+    kv_cache_manager: Any
+    max_num_scheduled_tokens: int
+    num_lookahead_tokens: int
+    max_model_len: int
+    block_size: int
+    #: The connector's ``admit`` once admission control is on (``_enable_admission_control``).
+    _tokencake_admit: Callable[[Request, int], bool] | None = None
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
+            return False
+        admit = self._tokencake_admit
+        return True if admit is None else admit(request, len(self.running))
+
+    def _running_need(self) -> int:
+        """Blocks vLLM's running requests still need this step, as its running loop allocates
+        them: in its order and token budget, each its next tokens (a decode token, a prefill
+        chunk) and lookahead slots, less the blocks it holds. Requests already scheduled this
+        pass hold theirs (they count 0); the long-prefill cap is left out (an upper bound)."""
+        budget = self.max_num_scheduled_tokens
+        need = 0
+        for r in self.running:
+            if budget <= 0:
+                break
+            n = min(r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            slots = min(r.num_computed_tokens + n + self.num_lookahead_tokens, self.max_model_len)
+            held = len(self.kv_cache_manager.get_block_ids(r.request_id)[0])
+            need += max(0, -(-slots // self.block_size) - held)
+            budget -= n
+        return need
+
+
+def _enable_admission_control(scheduler: Any) -> None:
+    """Have the scheduler apply the connector's admission rules (or say why not)."""
+    reason = check(scheduler)
+    enable = getattr(scheduler.connector, "enable_admission_control", None)
+    if reason is None and not callable(enable):
+        reason = "the KV connector is not TokenCake's"
+    if reason is not None:
+        log.warning("TokenCake admission control off (%s): vLLM's own admission", reason)
+        return
+    if enable(scheduler._running_need):
+        scheduler._tokencake_admit = scheduler.connector.admit
+        log.info("TokenCake admission control on")
+
+
+class _SyncSpatialScheduler(_ReleasesHoldsOnReset, _AdmissionControl, Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _swap_waiting_queue(self)
+        _enable_admission_control(self)
 
 
-class _AsyncSpatialScheduler(_ReleasesHoldsOnReset, AsyncScheduler):
+class _AsyncSpatialScheduler(_ReleasesHoldsOnReset, _AdmissionControl, AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _swap_waiting_queue(self)
+        _enable_admission_control(self)
 
 
 def scheduler_base(vllm_config: Any) -> type[Scheduler]:
@@ -250,7 +340,8 @@ def scheduler_base(vllm_config: Any) -> type[Scheduler]:
 class SpatialScheduler(Scheduler):
     """What ``--scheduler-cls`` names: vLLM's scheduler for the config (``AsyncScheduler`` under
     async scheduling, as vLLM would pick without ``--scheduler-cls``, else ``Scheduler``) whose
-    waiting queue is a :class:`ScoredRequestQueue` (see the module)."""
+    waiting queue is a :class:`ScoredRequestQueue` and whose admission applies TokenCake's
+    admission control (see the module)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
