@@ -43,6 +43,7 @@ PUBLIC = [
     "openai_client",
     "request_metadata",
     "stall",
+    "testing",
 ]
 
 
@@ -52,7 +53,7 @@ def test_tokencake_all_is_pinned() -> None:
 
 
 def test_the_sdk_exports_the_same_objects_as_tokencake() -> None:
-    sdk = [name for name in PUBLIC if name not in ("__version__", "events")]
+    sdk = [name for name in PUBLIC if name not in ("__version__", "events", "testing")]
     assert tokencake.agents.__all__ == sdk
     assert all(getattr(tokencake.agents, name) is getattr(tokencake, name) for name in sdk)
 

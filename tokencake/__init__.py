@@ -2,11 +2,11 @@
 
 ``import tokencake as tc`` gives the SDK (``tc.App``, ``tc.LLM``, ``tc.ScriptedLLM``, ...), the
 integration layer for other clients and frameworks (``tc.Session``, ``tc.stall``,
-``tc.request_metadata``, ``tc.TokenCakeTransport``, ``tc.openai_client``) and the wire format module
-``tc.events``.
+``tc.request_metadata``, ``tc.TokenCakeTransport``, ``tc.openai_client``), the wire format module
+``tc.events``, and ``tc.testing``: an offline scripted OpenAI server for testing agents of any framework.
 """
 
-from . import events
+from . import events, testing
 from ._version import __version__
 from .agents import (
     LLM,
@@ -84,4 +84,5 @@ __all__ = [
     "openai_client",
     "request_metadata",
     "stall",
+    "testing",
 ]

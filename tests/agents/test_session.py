@@ -3,6 +3,7 @@
 
 import contextvars
 import json
+import warnings
 
 import anyio
 import httpx
@@ -174,6 +175,42 @@ def test_session_events_url_follows_the_llm_rules(monkeypatch):
         tc.stall("chat-5", "tool")
     with pytest.raises(ValueError, match="session_id"):
         tc.Session("x" * 401)
+
+
+def test_use_server_points_an_unnamed_session_at_the_chat_server(monkeypatch):
+    monkeypatch.delenv("TOKENCAKE_EVENTS_URL", raising=False)
+    monkeypatch.delenv("TOKENCAKE_BASE_URL", raising=False)
+    rec = tc.StallRecorder()
+    session = tc.Session("u", hooks=rec)
+    session.use_server("http://127.0.0.1:18400/v1/")
+    assert (session.base_url, session.events_url) == ("http://127.0.0.1:18400/v1", "http://127.0.0.1:18401")
+    assert session.reporter is tc.Session("u2", base_url="http://127.0.0.1:18400/v1").reporter
+    assert session.hooks.hooks == [rec, session.reporter]  # the user's hooks are kept
+    remote = tc.Session("r")
+    remote.use_server("https://api.example.com/v1")  # not loopback: no events listener is assumed
+    assert (remote.base_url, remote.events_url, remote.reporter) == ("https://api.example.com/v1", None, None)
+    quiet = tc.Session("q", events_url=False)  # events named (off): the chat URL is still taken
+    quiet.use_server("http://127.0.0.1:18400/v1")
+    assert (quiet.base_url, quiet.events_url) == ("http://127.0.0.1:18400/v1", None)
+
+
+def test_use_server_keeps_a_named_server_and_says_when_events_go_elsewhere(monkeypatch):
+    monkeypatch.delenv("TOKENCAKE_EVENTS_URL", raising=False)
+    monkeypatch.setenv("TOKENCAKE_BASE_URL", "http://127.0.0.1:8000/v1")
+    named = tc.Session("n")  # named by the environment
+    with pytest.warns(
+        RuntimeWarning, match=r"'n': chat completions go to http://127.0.0.1:9000/v1 but stall"
+    ):
+        named.use_server("http://127.0.0.1:9000/v1")
+    named.use_server("http://127.0.0.1:9100/v1")  # once per session
+    assert (named.base_url, named.events_url) == ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8001")
+    remote_events = tc.Session("e", events_url="http://10.0.0.7:8001")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remote_events.use_server("http://10.0.0.7:8000/v1")  # same host as the named events: fine
+        named.use_server("http://127.0.0.1:8000/v1")
+    with pytest.warns(RuntimeWarning, match="stall events to http://10.0.0.7:8001"):
+        remote_events.use_server("http://10.0.0.9:8000/v1")
 
 
 # ---------------------------------------------------------------------- metadata

@@ -35,16 +35,6 @@ def _prompt(body: dict) -> str:
     return next(m["content"] for m in body["messages"] if m["role"] == "user")
 
 
-def _closed_pairs(rec: tc.StallRecorder) -> list:
-    pairs = rec.pairs()
-    for begin, end in pairs:
-        assert end is not None, f"stall {begin.stall_id} ({begin.tool}) has no stall_end"
-        assert (end.stall_id, end.session_id, end.tool) == (begin.stall_id, begin.session_id, begin.tool)
-    assert len({b.stall_id for b, _ in pairs}) == len(pairs)
-    assert len(rec.events) == 2 * len(pairs)
-    return pairs
-
-
 def _search_then_answer(req: tc.ScriptedRequest):
     """Call ``search`` for the prompt, then answer with what it returned."""
     if req.tool_results:
@@ -104,7 +94,7 @@ async def test_create_agent_keys_sessions_by_thread_and_agent(wire):
     turns = [_meta(b)["turn"] for b in llm.requests if _prompt(b).startswith("t1")]
     assert turns == [0, 1, 2, 3]  # the second invoke continues the thread's session
 
-    pairs = _closed_pairs(rec)
+    pairs = tc.testing.closed_pairs(rec)
     assert len(pairs) == 3  # one per tool call
     assert sorted(b.session_id for b, _ in pairs) == sorted([s1.session_id, s1.session_id, s2.session_id])
     assert {(b.tool, b.kind, b.predicted_s, e.outcome) for b, e in pairs} == {("search", "search", 1.5, "ok")}
@@ -151,7 +141,7 @@ async def test_hand_built_graph_sessions_follow_the_agent_not_the_node(wire):
         (writer.session_id, 1),
     ]
     assert researcher.run_id == writer.run_id  # one thread: the agents group together
-    pairs = _closed_pairs(rec)
+    pairs = tc.testing.closed_pairs(rec)
     assert [(b.session_id, b.node, e.outcome) for b, e in pairs] == [
         (researcher.session_id, "researcher", "ok"),
         (writer.session_id, "writer", "ok"),
@@ -210,7 +200,7 @@ async def test_stall_ends_when_the_tool_fails_or_the_run_is_cancelled(wire):
     with pytest.raises(asyncio.CancelledError):
         await task
 
-    outcomes = {b.tool: (e.outcome, e.error, b.session_id) for b, e in _closed_pairs(rec)}
+    outcomes = {b.tool: (e.outcome, e.error, b.session_id) for b, e in tc.testing.closed_pairs(rec)}
     assert outcomes == {
         "lint": ("error", "3 errors", tk.sessions.get("lint", "ops").session_id),
         "deploy": ("error", "RuntimeError: cluster unreachable", tk.sessions.get("deploy", "ops").session_id),
@@ -219,7 +209,7 @@ async def test_stall_ends_when_the_tool_fails_or_the_run_is_cancelled(wire):
     assert all(_meta(b)["node"] == "ops" for b in llm.requests)
 
 
-def test_sync_invoke_gets_the_same_sessions_and_stalls(wire_sync):
+def test_sync_invoke_gets_the_same_sessions_and_stalls(wire):
     rec = tc.StallRecorder()
     tk = TokenCakeMiddleware(events_url=False, hooks=rec)
     seen_open: list[int] = []
@@ -237,7 +227,7 @@ def test_sync_invoke_gets_the_same_sessions_and_stalls(wire_sync):
 
     llm = tc.ScriptedLLM(script)
     model = ChatOpenAI(
-        model="m", base_url=BASE_URL, api_key="k", http_client=httpx.Client(transport=wire_sync(llm))
+        model="m", base_url=BASE_URL, api_key="k", http_client=httpx.Client(transport=wire(llm))
     )
     agent = create_agent(model, [grep], middleware=[tk], name="coder")
     out = agent.invoke(
@@ -250,7 +240,7 @@ def test_sync_invoke_gets_the_same_sessions_and_stalls(wire_sync):
         (session.session_id, 0),
         (session.session_id, 1),
     ]
-    ((begin, end),) = _closed_pairs(rec)
+    ((begin, end),) = tc.testing.closed_pairs(rec)
     assert (begin.tool, begin.session_id, end.outcome) == ("grep", session.session_id, "ok")
     assert seen_open == [1]
 
@@ -276,5 +266,161 @@ async def test_models_without_extra_body_are_left_alone_and_say_so(wire):
         "FakeToolModel has no extra_body: its requests cannot carry TokenCake's session metadata "
         "(use ChatOpenAI against a TokenCake server)"
     ]
-    ((begin, end),) = _closed_pairs(rec)  # the tool calls are still bracketed
+    ((begin, end),) = tc.testing.closed_pairs(rec)  # the tool calls are still bracketed
     assert end.outcome == "ok" and begin.session_id == tk.sessions.get(None, "agent").session_id
+
+
+# ---------------------------------------------------------------------- failing loudly
+
+
+async def test_sessions_follow_the_models_server(monkeypatch):
+    for name in ("TOKENCAKE_BASE_URL", "TOKENCAKE_EVENTS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    server = tc.testing.ScriptedTransport("hello")  # no tool call: no stall event to deliver
+    model = ChatOpenAI(
+        model="m",
+        base_url="http://127.0.0.1:18400/v1",
+        api_key="k",
+        http_async_client=server.http_async_client(),
+    )
+    tk = TokenCakeMiddleware()
+    agent = create_agent(model, [search], middleware=[tk], name="r")
+    await agent.ainvoke(
+        {"messages": [{"role": "user", "content": "hi"}]}, {"configurable": {"thread_id": "t"}}
+    )
+    session = tk.sessions.get("t", "r")
+    assert (session.base_url, session.events_url) == ("http://127.0.0.1:18400/v1", "http://127.0.0.1:18401")
+    assert _meta(server.requests[0])["session_id"] == session.session_id
+
+
+async def test_runs_without_a_thread_id_warn_that_they_share_a_session(wire):
+    tk = TokenCakeMiddleware(events_url=False)
+    llm = tc.ScriptedLLM("ok")
+    agent = create_agent(_model(llm, wire), [search], middleware=[tk], name="r")
+    with pytest.warns(RuntimeWarning, match=r"without configurable\.thread_id.*share one TokenCake session"):
+        await agent.ainvoke({"messages": [{"role": "user", "content": "a"}]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per middleware
+        await agent.ainvoke({"messages": [{"role": "user", "content": "b"}]})
+    assert [_meta(b)["turn"] for b in llm.requests] == [0, 1]  # what the warning is about
+
+
+async def test_a_tool_node_whose_model_sends_no_metadata_is_reported(wire):
+    rec = tc.StallRecorder()
+    tk = TokenCakeMiddleware(events_url=False, hooks=rec)
+    llm = tc.ScriptedLLM([tc.ToolCall("c1", "search", {"q": "kv"}), "done"])
+    model = _model(llm, wire).bind_tools([search])  # not through tk.transport()
+
+    async def call_model(state: MessagesState) -> dict:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("llm", call_model)
+    graph.add_node("tools", ToolNode([search], awrap_tool_call=tk.awrap_tool_call))
+    graph.add_edge(START, "llm")
+    graph.add_conditional_edges("llm", tools_condition)
+    graph.add_edge("tools", "llm")
+    with pytest.warns(RuntimeWarning, match=r"carried no TokenCake metadata.*transport=tk\.transport\(\)"):
+        await graph.compile().ainvoke(
+            {"messages": [{"role": "user", "content": "q"}]}, {"configurable": {"thread_id": "t"}}
+        )
+    assert len(tc.testing.closed_pairs(rec)) == 1
+
+
+# ---------------------------------------------------------------------- the server's decisions in the trace
+
+
+async def test_kv_reports_are_custom_callback_events_of_the_resumed_turn():
+    from langchain_core.callbacks import AsyncCallbackHandler
+
+    class Events(AsyncCallbackHandler):
+        def __init__(self) -> None:
+            self.events: list[tuple[str, dict]] = []
+
+        async def on_custom_event(self, name, data, **kwargs) -> None:
+            self.events.append((name, data))
+
+    def kv(req: tc.ScriptedRequest):
+        return (
+            tc.testing.kv_provenance(64, loaded_tokens=48)
+            if req.tool_results
+            else tc.testing.kv_provenance(20)
+        )
+
+    rec = tc.StallRecorder()
+    tk = TokenCakeMiddleware(events_url=False, hooks=rec)
+    server = tc.testing.ScriptedTransport(_search_then_answer, kv=kv)
+    model = ChatOpenAI(
+        model="m",
+        base_url=server.base_url,
+        api_key="k",
+        http_async_client=httpx.AsyncClient(transport=tk.transport(server)),  # for the reports
+    )
+    agent = create_agent(model, [search], middleware=[tk], name="r", checkpointer=InMemorySaver())
+    handler = Events()
+    config = {"configurable": {"thread_id": "t"}, "callbacks": [handler]}
+    await agent.ainvoke({"messages": [{"role": "user", "content": "q"}]}, config)
+
+    session = tk.sessions.get("t", "r")
+    # stamped once per request (by the middleware; the transport leaves stamped requests alone)
+    assert [(_meta(b)["session_id"], _meta(b)["turn"]) for b in server.requests] == [
+        (session.session_id, 0),
+        (session.session_id, 1),
+    ]
+    ((begin, _end),) = tc.testing.closed_pairs(rec)
+    ((name, report),) = handler.events
+    assert name == "tokencake_kv"
+    assert (
+        report["tool"] == "search"
+        and report["tool_call_id"] == "call-0"
+        and report["stall_id"] == begin.stall_id
+    )
+    assert (report["decision"], report["offloaded"], report["loaded_tokens"], report["kept_tokens"]) == (
+        "loaded",
+        True,
+        48,
+        0,
+    )
+    assert report["session_id"] == session.session_id and report["prompt_tokens"] == 64
+
+
+def test_sync_runs_dispatch_kv_reports_too():
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    class Events(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.events: list[tuple[str, dict]] = []
+
+        def on_custom_event(self, name, data, **kwargs) -> None:
+            self.events.append((name, data))
+
+    @tool
+    def grep(q: str) -> str:
+        """A sync tool."""
+        return f"{q}: 2 matches"
+
+    def script(req: tc.ScriptedRequest):
+        return "found" if req.tool_results else tc.ToolCall("c1", "grep", {"q": "kv"})
+
+    tk = TokenCakeMiddleware(events_url=False, hooks=(rec := tc.StallRecorder()))
+    server = tc.testing.ScriptedTransport(script, kv=tc.testing.kv_provenance(30, prefetched_tokens=16))
+    model = ChatOpenAI(
+        model="m",
+        base_url=server.base_url,
+        api_key="k",
+        http_client=httpx.Client(transport=tk.transport(server)),
+    )
+    agent = create_agent(model, [grep], middleware=[tk], name="coder")
+    handler = Events()
+    agent.invoke(
+        {"messages": [{"role": "user", "content": "find kv"}]},
+        {"configurable": {"thread_id": "s1"}, "callbacks": [handler]},
+    )
+    ((begin, _end),) = tc.testing.closed_pairs(rec)
+    ((name, report),) = handler.events
+    assert (name, report["stall_id"], report["decision"], report["prefetched_tokens"]) == (
+        "tokencake_kv",
+        begin.stall_id,
+        "prefetched",
+        16,
+    )

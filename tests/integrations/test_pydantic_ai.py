@@ -2,6 +2,7 @@
 chat model against a scripted OpenAI-compatible server (``tc.ScriptedLLM``), offline."""
 
 import asyncio
+import warnings
 
 import anyio
 import httpx
@@ -25,16 +26,6 @@ BASE_URL = "http://tokencake.test/v1"
 
 def _meta(body: dict) -> dict:
     return body["kv_transfer_params"]["tokencake"]
-
-
-def _closed_pairs(rec: tc.StallRecorder) -> list:
-    pairs = rec.pairs()
-    for begin, end in pairs:
-        assert end is not None, f"stall {begin.stall_id} ({begin.tool}) has no stall_end"
-        assert (end.stall_id, end.session_id, end.tool) == (begin.stall_id, begin.session_id, begin.tool)
-    assert len({b.stall_id for b, _ in pairs}) == len(pairs)
-    assert len(rec.events) == 2 * len(pairs)
-    return pairs
 
 
 def _model(llm: tc.ScriptedLLM, wire, **settings) -> OpenAIChatModel:
@@ -89,7 +80,7 @@ async def test_every_request_and_tool_call_belong_to_the_conversation(wire):
     assert {b["top_k"] for b in llm.requests} == {5}  # the model's own extra_body is kept
     assert [bool(b.get("stream")) for b in llm.requests] == [False] * 4 + [True] * 2
 
-    pairs = _closed_pairs(rec)
+    pairs = tc.testing.closed_pairs(rec)
     assert sorted(b.tool for b, _ in pairs) == ["clock", "search", "search", "search"]
     assert sorted(b.session_id for b, _ in pairs) == sorted([one.session_id] * 3 + [other.session_id])
     assert {(b.tool, b.kind, b.predicted_s) for b, _ in pairs} == {
@@ -166,12 +157,12 @@ async def test_stall_ends_on_retry_error_and_cancellation(wire):
     with pytest.raises(asyncio.CancelledError):
         await task
 
-    outcomes = [(b.tool, e.outcome, e.error) for b, e in _closed_pairs(rec)]
+    outcomes = [(b.tool, b.attempt, e.outcome, e.error) for b, e in tc.testing.closed_pairs(rec)]
     assert outcomes == [
-        ("fetch", "error", "ModelRetry: try https"),
-        ("fetch", "ok", None),
-        ("deploy", "error", "RuntimeError: cluster unreachable"),
-        ("wait_for_ci", "cancelled", None),
+        ("fetch", 1, "error", "ModelRetry: try https"),
+        ("fetch", 2, "ok", None),  # the retry the model made after ModelRetry
+        ("deploy", 1, "error", "RuntimeError: cluster unreachable"),
+        ("wait_for_ci", 1, "cancelled", None),
     ]
     assert all(_meta(b)["node"] == "ops" for b in llm.requests)
 
@@ -186,9 +177,118 @@ async def test_the_wrapper_toolset_works_on_its_own(wire):
         """Add."""
         return a + b
 
-    llm = tc.ScriptedLLM([tc.ToolCall("c1", "add", {"a": 2, "b": 3}), "5"])
+    server = tc.testing.ScriptedTransport([tc.ToolCall("c1", "add", {"a": 2, "b": 3}), "5"])
     toolset = TokenCakeToolset(FunctionToolset([add]), session=lambda ctx: session, predicted_s=0.1)
-    agent = Agent(_model(llm, wire), toolsets=[toolset])
-    assert (await agent.run("2+3?")).output == "5"
-    ((begin, end),) = _closed_pairs(rec)
+    model = OpenAIChatModel("m", provider=OpenAIProvider(openai_client=server.openai_client(session)))
+    agent = Agent(model, toolsets=[toolset])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its requests carry the session: nothing to report
+        assert (await agent.run("2+3?")).output == "5"
+    ((begin, end),) = tc.testing.closed_pairs(rec)
     assert (begin.session_id, begin.tool, begin.predicted_s, end.outcome) == ("chat-7", "add", 0.1, "ok")
+    assert [_meta(b)["session_id"] for b in server.requests] == ["chat-7"] * 2
+
+
+async def test_the_wrapper_toolset_alone_says_when_the_requests_carry_no_metadata(wire):
+    rec = tc.StallRecorder()
+    session = tc.Session("chat-8", events_url=False, hooks=rec)
+
+    def add(a: int, b: int) -> int:
+        """Add."""
+        return a + b
+
+    llm = tc.ScriptedLLM(
+        [tc.ToolCall("c1", "add", {"a": 2, "b": 3}), "5", tc.ToolCall("c2", "add", {"a": 1, "b": 1}), "2"]
+    )
+    toolset = TokenCakeToolset(FunctionToolset([add]), session=lambda ctx: session)
+    agent = Agent(_model(llm, wire), toolsets=[toolset])  # a plain client: the stalls match no KV
+    with pytest.warns(RuntimeWarning) as caught:
+        await agent.run("2+3?")
+        await agent.run("1+1?")
+    assert [str(w.message) for w in caught if "TokenCake" in str(w.message)] == [
+        "a tool call of session 'chat-8', whose model requests carried no TokenCake metadata: the server "
+        "cannot match its stall to any KV cache. Add the TokenCake capability (Agent(..., "
+        "capabilities=[TokenCake()])), which stamps the requests, or give the model's client "
+        "tc.TokenCakeTransport(session)."
+    ]
+    assert len(tc.testing.closed_pairs(rec)) == 2
+
+
+async def test_sessions_follow_the_models_server(monkeypatch):
+    for name in ("TOKENCAKE_BASE_URL", "TOKENCAKE_EVENTS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    server = tc.testing.ScriptedTransport("hello")  # no tool call: no stall event to deliver
+    client = openai.AsyncOpenAI(
+        base_url="http://127.0.0.1:18400/v1", api_key="k", http_client=server.http_async_client()
+    )
+    tk = TokenCake()
+    agent = Agent(
+        OpenAIChatModel("m", provider=OpenAIProvider(openai_client=client)), name="r", capabilities=[tk]
+    )
+    result = await agent.run("hi", conversation_id="c")
+    session = tk.sessions.get(result.conversation_id, "r")
+    assert (session.base_url, session.events_url) == ("http://127.0.0.1:18400/v1", "http://127.0.0.1:18401")
+
+
+async def test_each_tool_calls_kv_report_is_a_span_under_the_tool_call():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from pydantic_ai.capabilities.instrumentation import Instrumentation
+    from pydantic_ai.models.instrumented import InstrumentationSettings
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def search(q: str) -> str:
+        """Search."""
+        return f"hits for {q}"
+
+    def kv(req: tc.ScriptedRequest):
+        return (
+            tc.testing.kv_provenance(90, kept_tokens=64) if req.tool_results else tc.testing.kv_provenance(30)
+        )
+
+    server = tc.testing.ScriptedTransport(
+        lambda req: "done" if req.tool_results else tc.ToolCall("c1", "search", {"q": "kv"}), kv=kv
+    )
+    rec = tc.StallRecorder()
+    tk = TokenCake(events_url=False, hooks=rec)
+    model = OpenAIChatModel("m", provider=OpenAIProvider(openai_client=server.openai_client()))
+    agent = Agent(
+        model,
+        name="r",
+        tools=[search],
+        capabilities=[Instrumentation(settings=InstrumentationSettings(tracer_provider=provider)), tk],
+    )
+    result = await agent.run("search kv")
+
+    spans = exporter.get_finished_spans()
+    (kv_span,) = [s for s in spans if s.name == "tokencake.kv"]
+    (tool_span,) = [s for s in spans if s.attributes.get("gen_ai.tool.name") == "search"]
+    assert kv_span.parent.span_id == tool_span.context.span_id  # under the tool call it describes
+    ((begin, _end),) = tc.testing.closed_pairs(rec)
+    attributes = dict(kv_span.attributes)
+    assert attributes == {
+        "tokencake.kv.tool": "search",
+        "tokencake.kv.tool_call_id": "c1",
+        "tokencake.kv.stall_id": begin.stall_id,
+        "tokencake.kv.session_id": tk.sessions.get(result.conversation_id, "r").session_id,
+        "tokencake.kv.decision": "kept",
+        "tokencake.kv.offloaded": False,
+        "tokencake.kv.kept_tokens": 64,
+        "tokencake.kv.loaded_tokens": 0,
+        "tokencake.kv.prompt_tokens": 90,
+        "tokencake.kv.prefetched_tokens": 0,
+        "tokencake.kv.admissions": 1,
+        "tokencake.kv.failed_copy_tokens": 0,
+        "tokencake.kv.failed_load_tokens": 0,
+        "tokencake.kv.recomputed_tokens": 0,
+    }
+    # the capability read the provenance without leaving vendor fields in the message history
+    assert all(
+        not (m.provider_details or {}).get("unmapped")
+        for m in result.all_messages()
+        if hasattr(m, "provider_details")
+    )

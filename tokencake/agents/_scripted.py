@@ -50,6 +50,18 @@ class ScriptedRequest:
     tools: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, body: dict[str, Any], index: int) -> ScriptedRequest:
+        """The request with JSON ``body``, the ``index``-th a scripted model received."""
+        kv = body.get("kv_transfer_params") or {}
+        return cls(
+            body=body,
+            index=index,
+            messages=list(body.get("messages") or []),
+            tools=[t.get("function", {}).get("name", "") for t in body.get("tools") or []],
+            meta=dict(kv.get(META_KEY) or {}) if isinstance(kv, dict) else {},
+        )
+
     @property
     def node(self) -> str:
         return str(self.meta.get("node", ""))
@@ -141,15 +153,7 @@ class ScriptedLLM(LLM):
 
     async def _complete(self, body: dict[str, Any]) -> httpx.Response:
         self.requests.append(body)
-        kv = body.get("kv_transfer_params") or {}
-        tools = [t.get("function", {}).get("name", "") for t in body.get("tools") or []]
-        req = ScriptedRequest(
-            body=body,
-            index=len(self.requests) - 1,
-            messages=list(body.get("messages") or []),
-            tools=tools,
-            meta=dict(kv.get(META_KEY) or {}) if isinstance(kv, dict) else {},
-        )
+        req = ScriptedRequest.of(body, len(self.requests) - 1)
         try:
             reply = self._script(req)
         except _ScriptExhausted as exc:

@@ -14,7 +14,9 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 from tokencake.events import GraphMeta, NextStall, StallBegin
 
@@ -76,18 +78,61 @@ class Session:
         base = base_url or os.environ.get("TOKENCAKE_BASE_URL") or DEFAULT_BASE_URL
         #: The OpenAI base URL of this conversation's server (``openai_client`` defaults to it).
         self.base_url = base.rstrip("/")
-        self.events_url = events_url_for(self.base_url, events_url)
         api_key = api_key or os.environ.get("TOKENCAKE_API_KEY") or None
         self.api_key = api_key
         extra = [] if hooks is None else [hooks] if not isinstance(hooks, Sequence) else list(hooks)
         for hook in extra:
             if not (callable(getattr(hook, "begin", None)) and callable(getattr(hook, "end", None))):
                 raise TypeError(f"stall hook {hook!r} needs async begin(ev) and end(ev) methods")
-        self.reporter = _shared_reporter(self.events_url, api_key) if self.events_url else None
-        self.hooks = StallHooks([*extra, *([self.reporter] if self.reporter else [])])
+        self._extra_hooks = extra
+        self._set_events_url(events_url_for(self.base_url, events_url))
+        # Whether the server was named (argument or environment): use_server() keeps a named one.
+        self._base_given = bool(base_url or os.environ.get("TOKENCAKE_BASE_URL"))
+        self._events_given = events_url is not None or bool(os.environ.get("TOKENCAKE_EVENTS_URL"))
+        self._warned_server = False
         self._stalls = itertools.count(1)
         self._token = uuid.uuid4().hex[:8]
         self._lock = threading.Lock()
+
+    def _set_events_url(self, events_url: str | None) -> None:
+        self.events_url = events_url
+        self.reporter = _shared_reporter(events_url, self.api_key) if events_url else None
+        self.hooks = StallHooks([*self._extra_hooks, *([self.reporter] if self.reporter else [])])
+
+    def use_server(self, base_url: str) -> None:
+        """This conversation's chat completions go to ``base_url``: make it the session's server.
+
+        Adapters call it with their model client's URL, so the server is named in one place. A
+        session built without one (no ``base_url`` / ``events_url`` argument, no
+        ``TOKENCAKE_BASE_URL`` / ``TOKENCAKE_EVENTS_URL``) takes ``base_url``, and its stall events
+        follow it by the usual rules (port + 1 of a loopback URL). A session whose server was named
+        keeps it; when its stall events then go elsewhere than ``base_url``'s events listener (another
+        host, or for a derived events URL another port), a ``RuntimeWarning`` says so, once.
+        """
+        base = base_url.rstrip("/")
+        with self._lock:
+            if base == self.base_url:
+                return
+            if not self._base_given:
+                self.base_url = base
+                if not self._events_given:
+                    self._set_events_url(events_url_for(base, None))
+                    return
+            if self.events_url is None or self._warned_server:
+                return
+            if self._events_given:
+                disagree = urlsplit(self.events_url).hostname != urlsplit(base).hostname
+            else:
+                disagree = self.events_url != events_url_for(base, True)
+            self._warned_server = disagree
+        if disagree:
+            warnings.warn(
+                f"session {self.session_id!r}: chat completions go to {base} but stall events to "
+                f"{self.events_url}; name the server once (tc.Session(base_url=...) or the adapter's "
+                "base_url=), or set events_url= to that server's events listener",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def request_metadata(self, *, advance: bool = True) -> dict[str, object]:
         """The body fields for this conversation's next request (``extra_body=``); counts the turn."""

@@ -5,5 +5,5 @@ Each adapter lives in its own module and imports its framework, so import the on
 ``tokencake.integrations.langgraph`` (``tokencake[langgraph]``) and
 ``tokencake.integrations.pydantic_ai`` (``tokencake[pydantic-ai]``). They are built only on the
 public integration layer (``tc.Session``, ``tc.stall``, ``tc.TokenCakeTransport``,
-``tc.openai_client``); the core package never imports them.
+``tc.openai_client``); the core package never imports them. ``tc.testing`` runs them offline.
 """

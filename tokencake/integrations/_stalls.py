@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import warnings
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -22,11 +23,55 @@ PredictedS = float | Mapping[str, float] | None
 Kind = str | Mapping[str, str]
 
 
-def tool_stall(session: tc.Session, tool: str, *, predicted_s: PredictedS, kind: Kind) -> tc.StallScope:
-    """``tc.stall`` for one call of ``tool``, with that tool's hints."""
+def tool_stall(
+    session: tc.Session,
+    tool: str,
+    *,
+    predicted_s: PredictedS,
+    kind: Kind,
+    agent: str | None = None,
+    attempt: int = 1,
+) -> tc.StallScope:
+    """``tc.stall`` for one call (``attempt``) of ``tool``, with that tool's hints.
+
+    ``agent`` names the agent making the call when it is not the session's own (an agent reached by
+    handoff continues the conversation's session): the server learns tool durations per agent, so
+    the events carry that agent as ``node`` and ``agent_type``.
+    """
     predicted = predicted_s.get(tool) if isinstance(predicted_s, Mapping) else predicted_s
     tool_kind = kind.get(tool, "tool") if isinstance(kind, Mapping) else kind
-    return tc.stall(session, tool[:200] or "tool", kind=tool_kind, predicted_s=predicted)
+    scope = tc.stall(session, tool[:200] or "tool", kind=tool_kind, predicted_s=predicted, attempt=attempt)
+    if agent and agent[:200] != scope.begin.node:
+        scope.begin = scope.begin.model_copy(update={"node": agent[:200], "agent_type": agent[:200]})
+    return scope
+
+
+class StampCheck:
+    """Warns once when a stall begins for a session whose requests carried no TokenCake metadata.
+
+    Such a stall reaches the server, which cannot match it to any KV (the session's requests never
+    named it). A conversation's first tool call follows at least one model request, so a session
+    whose turn counter is still 0 at a stall was never stamped. ``fix`` says how to stamp them.
+    """
+
+    def __init__(self, fix: str) -> None:
+        self.fix = fix
+        self.warned = False
+
+    def check(self, session: tc.Session, fix: str | None = None) -> None:
+        """Warn (once) if ``session`` was never stamped; ``fix`` replaces the default advice."""
+        if session.turn == 0:
+            self.warn(
+                f"a tool call of session {session.session_id!r}, whose model requests carried no "
+                "TokenCake metadata: the server cannot match its stall to any KV cache. "
+                f"{fix or self.fix}"
+            )
+
+    def warn(self, message: str) -> None:
+        """Issue ``message`` as this check's one warning (later calls do nothing)."""
+        if not self.warned:
+            self.warned = True
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 @contextmanager
