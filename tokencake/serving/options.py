@@ -6,11 +6,13 @@ same mechanisms on its engine model with the same values. No vLLM import here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from tokencake.serving.policies import DEFAULT_POLICY
 
-__all__ = ["RESERVE_WAIT_FROM", "RETURN_RESERVE", "Options"]
+__all__ = ["RESERVE_WAIT_FROM", "RETURN_RESERVE", "Options", "extra_bool"]
 
 #: Values of ``Options.critical_reserve_wait_from``.
 RESERVE_WAIT_FROM: tuple[str, ...] = ("arrival", "head")
@@ -122,3 +124,11 @@ class Options:
         if self.return_reserve == "auto":
             return copies_beside_compute
         return self.return_reserve == "on"
+
+
+def extra_bool(extra: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A boolean knob of ``kv_connector_extra_config``: strings such as "0", "false", "off" are False."""
+    value = extra.get(name, default)
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value)

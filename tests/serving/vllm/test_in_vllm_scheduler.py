@@ -28,7 +28,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from tokencake.serving.kvcore.core import _Keep
+from tokencake.serving.kvcore.records import Keep
 from tokencake.serving.model import default_model_dir
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.connector import TokenCakeConnector
@@ -199,12 +199,12 @@ def test_a_held_chain_yields_to_a_running_request_instead_of_a_preemption(spatia
     assert dict(_step(scheduler).num_scheduled_tokens) == {"r1": 2 * BS}
     now = time.monotonic()
     held = bp.allocate(pool, 2)
-    side._kept["run:H"] = _Keep("run:H", held, until=now + 60, since=now, rank=now + 5, kind="hold")
+    side.holds.kept["run:H"] = Keep("run:H", held, until=now + 60, since=now, rank=now + 5, kind="hold")
     others = bp.allocate(pool, bp.num_free(pool))  # other requests' blocks: none free
     scheduler.add_request(_request("r2", 8, 5))
     out = _step(scheduler)
     assert dict(out.num_scheduled_tokens) == {} and not out.preempted_req_ids
-    assert not side._kept and bp.num_free(pool) == 2
+    assert not side.holds.kept and bp.num_free(pool) == 2
     assert side.stats.counter("hold.yielded_to_running") == 1
     assert side.stats.counter("hold.admission_waits_for_running") == 1
     out = _step(scheduler)
@@ -250,7 +250,7 @@ def test_an_admission_that_would_take_kept_room_waits_and_vllm_admits_the_next(
     conn: Any = scheduler.connector
     side = conn.sched
     side.reserves_returns = True
-    side._reserve_returns = lambda now: {"run:A": 4}  # a return due, its chain on host
+    side.admission.reserve_returns = lambda now: {"run:A": 4}  # a return due, its chain on host
     pool = side.pool.pool
     scheduler.add_request(_request("r1", 2 * BS, 3))
     _step(scheduler)  # r1 runs: 2 blocks, a third for its next token
@@ -280,7 +280,7 @@ def _hold(side: Any, session: str, blocks: int, rank: float = 5.0) -> list[Any]:
     """The KV policy holds ``blocks`` device blocks for idle ``session`` (a kept or prefetched chain)."""
     now = time.monotonic()
     held = bp.allocate(side.pool.pool, blocks)
-    side._kept[session] = _Keep(session, held, until=now + 600, since=now, rank=now + rank, kind="hold")
+    side.holds.kept[session] = Keep(session, held, until=now + 600, since=now, rank=now + rank, kind="hold")
     return held
 
 
@@ -298,7 +298,7 @@ def test_a_prompt_longer_than_a_step_does_not_stop_admissions_while_room_is_kept
         side: Any = sched.connector.sched  # type: ignore[union-attr]
         if kept:
             side.reserves_returns = True
-            side._reserve_returns = lambda now: {"run:A": 1}  # a return due: 1 block kept for it
+            side.admission.reserve_returns = lambda now: {"run:A": 1}  # a return due: 1 block kept for it
         pool = side.pool.pool
         sched.add_request(_request("r1", 20, 3, max_tokens=32))  # 2 blocks, decodes for a while
         _step(sched)
@@ -311,10 +311,10 @@ def test_a_prompt_longer_than_a_step_does_not_stop_admissions_while_room_is_kept
             scheduled |= set(_step(sched).num_scheduled_tokens)
         assert "short" in scheduled, f"kept room {kept}: only {scheduled}"
         if kept:
-            assert "long" not in scheduled and "run:H" in side._kept
+            assert "long" not in scheduled and "run:H" in side.holds.kept
             assert side.stats.counter("return_reserve.denials") == 4
         else:
-            assert "long" in scheduled and "run:H" not in side._kept  # the hold made room for it
+            assert "long" in scheduled and "run:H" not in side.holds.kept  # the hold made room for it
         bp.release(pool, others)
         sched.connector.shutdown()  # type: ignore[union-attr]
 
@@ -326,7 +326,7 @@ def test_kept_room_holds_an_admission_back_only_until_its_bound(spatial: Schedul
     side: Any = spatial.connector.sched  # type: ignore[union-attr]
     clock = side.clock = _Clock()
     side.reserves_returns = True
-    side._reserve_returns = lambda now: {"run:A": 4}
+    side.admission.reserve_returns = lambda now: {"run:A": 4}
     pool = side.pool.pool
     spatial.add_request(_request("r1", 20, 3, max_tokens=64))  # runs throughout
     _step(spatial)
@@ -359,7 +359,7 @@ def test_a_prompt_logprobs_request_does_not_take_the_blocks_a_hold_gave_a_runnin
     others = bp.allocate(pool, bp.num_free(pool))  # none free
     spatial.add_request(_request("lp", 8, 5, prompt_logprobs=1))  # would take the freed block
     out = _step(spatial)
-    assert dict(out.num_scheduled_tokens) == {} and not side._kept  # the hold yielded to r1
+    assert dict(out.num_scheduled_tokens) == {} and not side.holds.kept  # the hold yielded to r1
     out = _step(spatial)
     assert "r1" in out.num_scheduled_tokens and not out.preempted_req_ids and r1.num_preemptions == 0
     bp.release(pool, others)
@@ -380,7 +380,7 @@ def test_held_chains_yield_what_the_running_requests_need_at_once(chunked: Sched
     others = bp.allocate(pool, bp.num_free(pool))  # none free
     out = _step(chunked)
     assert dict(out.num_scheduled_tokens) == {} and not out.preempted_req_ids
-    assert set(side._kept) == {"run:H1"} and side.stats.counter("hold.yielded_to_running") == 1
+    assert set(side.holds.kept) == {"run:H1"} and side.stats.counter("hold.yielded_to_running") == 1
     out = _step(chunked)
     assert dict(out.num_scheduled_tokens) == {"r1": 2 * BS} and r1.num_preemptions == 0
     bp.release(pool, others)
@@ -405,7 +405,7 @@ def test_without_tokencakes_scheduler_nothing_is_held_back(scheduler: Scheduler)
         others = bp.allocate(pool, bp.num_free(pool))
         scheduler.add_request(_request("r2", 8, 5))
         out = _step(scheduler)
-    assert dict(out.num_scheduled_tokens) == {"r2": 8} and not side._kept
+    assert dict(out.num_scheduled_tokens) == {"r2": 8} and not side.holds.kept
     assert side.stats.counter("hold.yielded_to_running") == 1
     assert side.stats.counter("hold.admission_waits_for_running") == 0
     assert warn.call_count == 1 and "admission control off" in warn.call_args.args[0]
@@ -446,7 +446,7 @@ def test_a_load_one_rank_failed_leaves_the_prefix_cache_in_the_step_its_failure_
     assert rb.num_computed_tokens == 0  # vLLM rewound it (recompute)
     assert all(bp.cached_block(pool, h) is None for h in shared)
     assert all(side.host.lookup(h) is None for h in shared)
-    assert side._jobs  # rank 0 may still be copying: the job's pins wait for its report
+    assert side.copies.jobs  # rank 0 may still be copying: the job's pins wait for its report
     # The next admission on the prefix computes it (no device hit, no host hit).
     rc = _request("rc", 3 * BS + 2, 4)
     scheduler.add_request(rc)
@@ -457,7 +457,7 @@ def test_a_load_one_rank_failed_leaves_the_prefix_cache_in_the_step_its_failure_
     assert out.kv_connector_metadata.jobs == []
     (new,) = out.scheduled_new_reqs
     assert new.req_id == "rc" and new.num_computed_tokens == 0
-    assert not side._jobs and side.stats.counter("load.failed") == 1
+    assert not side.copies.jobs and side.stats.counter("load.failed") == 1
     assert side.stats.counter("demand_load.uncached_blocks") == 3  # marked once
 
 

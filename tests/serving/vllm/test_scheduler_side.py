@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool
 
 from tokencake.events import StallBegin, StallEnd
-from tokencake.serving.kvcore.core import ABANDONED_POLL_S, _Keep, stall_owner
+from tokencake.serving.kvcore.records import ABANDONED_POLL_S, Keep, stall_owner
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm.metadata import JobResult, TokenCakeMetadata, TokenCakeWorkerMeta
@@ -192,7 +192,7 @@ def ask(side: SchedulerSide, req: Any, hit: int = 0) -> int | None:
     """What vLLM's admission loop asks about ``req`` (``hit``: its device prefix hit, tokens):
     with TokenCake's scheduler ``admit`` first (False: vLLM skips it, shown as None), then the
     connector's ``get_num_new_matched_tokens``."""
-    if side.admission_control and not side.admit(req, side._running):
+    if side.admission_control and not side.admit(req, side.steps.running):
         return None
     return side.get_num_new_matched_tokens(req, hit)
 
@@ -340,7 +340,7 @@ def test_blocks_a_failed_load_left_leave_the_prefix_cache(pool: BlockPool, clock
     assert offload.kind == "offload" and offload.device_blocks == [b.block_id for b in fresh]
     answer(side, TokenCakeMetadata([offload]))
     assert all(side.host.lookup(h) is not None for h in shared)
-    assert side._suspect == {}
+    assert side.copies.suspect == {}
     assert_no_pins(pool)
 
 
@@ -401,10 +401,10 @@ def test_one_ranks_failed_load_is_acted_on_before_the_other_ranks_report(
     assert side.host.lookup(own[0]) is None and side.stats.counter("offload.suspect_dropped") == 1
     assert all(side.host.lookup(h) is None for h in shared)
     assert all(bp.cached_block(pool, h) is None for h in [*shared, *own])
-    assert [j.kind for j in side._jobs.values()] == ["load"]  # its host pins wait for rank 0
+    assert [j.kind for j in side.copies.jobs.values()] == ["load"]  # its host pins wait for rank 0
     assert side.host.owned_by(f"job:{load.job_id}") == sorted(load.host_slots)
     side.on_worker_meta(TokenCakeWorkerMeta({load.job_id: JobResult(True, 0.001, 0)}))
-    assert not side._jobs and side.stats.counter("load.failed") == 1
+    assert not side.copies.jobs and side.stats.counter("load.failed") == 1
     assert side.host.owned_by(f"job:{load.job_id}") == []
     assert side.stats.counter("demand_load.uncached_blocks") == 4  # marked once
     req.num_computed_tokens = 4 * BS + 2
@@ -434,7 +434,7 @@ def test_a_ranks_invalid_block_ids_fail_its_load_before_its_result_arrives(
     assert bp.cached_block(pool, chain("q", 1)[0]) is others[0]
     both = TokenCakeWorkerMeta({load.job_id: JobResult(True, 0.001, 0, workers=2)})
     side.on_worker_meta(both, {load.device_blocks[1]})  # the ranks' results, a step later
-    assert not side._jobs and side.stats.counter("load.failed") == 1
+    assert not side.copies.jobs and side.stats.counter("load.failed") == 1
     assert side.stats.counter("demand_load.uncached_blocks") == 4
     req.num_computed_tokens = 4 * BS + 2
     side.request_finished(req)
@@ -464,7 +464,7 @@ def test_a_later_chunk_computed_before_a_load_failure_was_known_is_not_committed
     assert side.host.lookup(own[0]) is None and side.host.lookup(own[1]) is None
     req.num_computed_tokens = 5 * BS + 2
     side.request_finished(req)
-    assert side._suspect == {}
+    assert side.copies.suspect == {}
     bp.release(pool, [*blocks, *chunk])
     assert_no_pins(pool)
 
@@ -476,7 +476,7 @@ def test_a_failed_load_plan_marks_its_blocks_as_a_failed_load_does(pool: BlockPo
     side.fail_load(req, [b.block_id for b in blocks], 3 * BS)
     (job,) = side.build_meta().jobs
     assert job.kind == "load" and job.invalid
-    assert set(side._suspect) == {b.block_id for b in blocks}
+    assert set(side.copies.suspect) == {b.block_id for b in blocks}
     assert all(bp.cached_block(pool, h) is None for h in [*shared, *own])
     bp.release(pool, blocks)
     assert_no_pins(pool)
@@ -492,12 +492,12 @@ def test_a_failed_admission_reports_its_own_blocks_not_an_earlier_admissions(
     side = make_side(pool, clock, prefetch=False)
     shared, own = chain("p", 3), chain("b", 1)
     req, blocks = b_matches_the_shared_prefix_on_host(side, pool, shared, own, admitted=4)
-    side._usa_req, side._usa_first = "rb", 2  # what its earlier admission left
+    side.demand.usa_req, side.demand.usa_first = "rb", 2  # what its earlier admission left
 
     def broken(_session_id: str) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(side, "_unwatch_critical", broken)
+    monkeypatch.setattr(side.critical, "unwatch", broken)
     ids = [b.block_id for b in blocks]
     with pytest.raises(RuntimeError):
         side.update_state_after_alloc(req, ids, 3 * BS)
@@ -577,7 +577,7 @@ def test_provenance_blames_hits_on_blocks_a_host_copy_wrote(pool: BlockPool, clo
     assert (prov["device_tokens"], prov["copied_tokens"], prov["host_tokens"]) == (3 * BS, 3 * BS, 0)
     # After a prefix-cache reset nothing on device counts as copied any more.
     side.reset_cache()
-    assert side._copied == {}
+    assert side.demand.copied == {}
 
 
 def test_demand_load_leaves_one_token_to_compute(pool: BlockPool, clock: Clock) -> None:
@@ -915,7 +915,7 @@ def test_unconfirmed_jobs_time_out_and_release_on_the_late_report(pool: BlockPoo
     side.build_meta()
     assert not side.has_pending_work() and side.next_wake_at() == clock.t + ABANDONED_POLL_S
     answer(side, meta)  # the late report: released, nothing committed
-    assert side.stats.counter("jobs.late_reports") == 1 and not side._jobs
+    assert side.stats.counter("jobs.late_reports") == 1 and not side.copies.jobs
     assert all(side.host.lookup(h) is None for h in hashes)
     assert_no_pins(pool)
     side.build_meta()
@@ -925,7 +925,7 @@ def test_unconfirmed_jobs_time_out_and_release_on_the_late_report(pool: BlockPoo
 def test_workers_that_cannot_copy_turn_the_policy_off(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock)
     side.on_worker_meta(TokenCakeWorkerMeta({}, disabled="kernel block size 8 != 16"))
-    assert side.copies_disabled and side.stats.snapshot()["gauges"]["worker.copies_disabled"] == 1
+    assert side.copies.copies_disabled and side.stats.snapshot()["gauges"]["worker.copies_disabled"] == 1
     finish_turn(side, pool, chain("z", 2))
     side.handle_event(begin())
     assert side.build_meta().jobs == []  # nothing planned that would only fail
@@ -946,9 +946,9 @@ def test_a_multi_worker_job_completes_once_every_worker_reported(pool: BlockPool
     side.handle_event(begin())
     (job,) = side.build_meta().jobs
     side.on_worker_meta(TokenCakeWorkerMeta({job.job_id: JobResult(False, 0.001, 0)}))  # rank 0 failed
-    assert side._jobs  # rank 1 may still be copying: nothing released yet
+    assert side.copies.jobs  # rank 1 may still be copying: nothing released yet
     side.on_worker_meta(TokenCakeWorkerMeta({job.job_id: JobResult(True, 0.001, 0)}))
-    assert not side._jobs and side.stats.counter("offload.failed") == 1
+    assert not side.copies.jobs and side.stats.counter("offload.failed") == 1
     assert all(side.host.lookup(h) is None for h in hashes)
     assert_no_pins(pool)
 
@@ -1362,7 +1362,7 @@ def test_a_full_host_pool_keeps_the_sessions_that_return_soonest(pool: BlockPool
     assert side.stats.counter("host.preempted_blocks") == 3
     assert side.stats.counter("host.preempted_stalls") == 1
     assert side.host.stats()["preempted"] == 3
-    assert "sL" not in side._demoted  # its device copy is all it has of the tail now
+    assert "sL" not in side.eviction.demoted  # its device copy is all it has of the tail now
     assert_no_pins(pool)
 
 
@@ -1393,7 +1393,7 @@ def test_a_save_never_takes_the_copy_of_a_session_returning_sooner(pool: BlockPo
     finish_turn(side, pool, chain("L", 3), req_id="rL", session="run:L")
     side.handle_event(begin("sL", "run:L", 100.0))
     assert side.build_meta().jobs == []  # refused: the pool keeps the sooner return
-    assert side._stalls["sL"].decision == "host_pool_full"
+    assert side.stalls.active["sL"].decision == "host_pool_full"
     assert all(side.host.lookup(h) is not None for h in soon)
     assert side.stats.counter("host.preempted_blocks") == 0
     assert_no_pins(pool)
@@ -1414,11 +1414,11 @@ def test_copies_in_flight_and_waiting_sessions_are_never_preempted(pool: BlockPo
     # The later returner's next request is already waiting: its copy is about to be loaded.
     waiting = request("rL2", [*chain("L", 4), *chain("L-new", 1)], 5 * BS + 2, session="run:L")
     side.on_new_request(waiting)
-    assert side._host_victims(clock.t + 5.0, "run:S", clock.t) == []
-    side._waiting.clear()
-    assert len(side._host_victims(clock.t + 5.0, "run:S", clock.t)) == 4
+    assert side.offload._host_victims(clock.t + 5.0, "run:S", clock.t) == []
+    side.requests.waiting.clear()
+    assert len(side.offload._host_victims(clock.t + 5.0, "run:S", clock.t)) == 4
     side.policy.preempts_host = False
-    assert side._host_victims(clock.t + 5.0, "run:S", clock.t) == []
+    assert side.offload._host_victims(clock.t + 5.0, "run:S", clock.t) == []
     assert_no_pins(pool)
 
 
@@ -1433,18 +1433,18 @@ def test_one_failing_completion_does_not_strand_the_batch(
     side.handle_event(begin("sb", "run:B"))
     meta = side.build_meta()
     assert len(meta.jobs) == 2
-    real = side._complete_offload
+    real = side.copies._complete_offload
 
     def flaky(job: Any, ok: bool) -> None:
         if job.session_id == "run:A":
             raise RuntimeError("bug")
         real(job, ok)
 
-    monkeypatch.setattr(side, "_complete_offload", flaky)
+    monkeypatch.setattr(side.copies, "_complete_offload", flaky)
     answer(side, meta)
     assert side.stats.counter("errors.complete") == 1
     assert all(side.host.lookup(h) is not None for h in b)  # B's good copy was not lost
-    assert not side._jobs
+    assert not side.copies.jobs
     assert_no_pins(pool)
 
 
@@ -1502,7 +1502,7 @@ def test_a_slow_prefetch_is_not_waited_for_forever(pool: BlockPool, clock: Clock
     answer(side, side.build_meta())  # the load …
     answer(side, TokenCakeMetadata([job]))  # … and the late prefetch: not published twice
     assert side.stats.counter("prefetch.duplicate_blocks") == 2
-    assert not side._kept  # nor held: its request is already running
+    assert not side.holds.kept  # nor held: its request is already running
     assert side.stats.counter("demand_load.gave_up_waiting") == 1
     bp.release(pool, loaded)
     assert_no_pins(pool)
@@ -1515,7 +1515,7 @@ def test_prefetch_lead_covers_the_wait_for_the_next_step(pool: BlockPool, clock:
         clock.t += gap
         side.observe_step(tokens)
     # E[d^2] / 2E[d] over d = 1, 1, 3, 1: (1 + 1 + 9 + 1) / (2 * 6) = 1.0 s
-    assert side._step_wait_s() == pytest.approx(1.0)
+    assert side.steps.step_wait_s() == pytest.approx(1.0)
     hashes = chain("w", 2)
     finish_turn(side, pool, hashes)
     side.handle_event(begin(predicted=5.0))
@@ -1592,7 +1592,7 @@ def _held_after_prefetch(
     meta = side.build_meta()
     assert [j.kind for j in meta.jobs] == ["prefetch"]
     answer(side, meta)
-    assert side._kept[session].kind == "hold"
+    assert side.holds.kept[session].kind == "hold"
     return hashes
 
 
@@ -1605,7 +1605,7 @@ def test_a_held_prefetch_yields_to_a_request_that_needs_the_room(pool: BlockPool
     big = request("big", chain("w", 1), 12 * BS, session=None)  # 12 blocks: one more than is free
     side.on_new_request(big)
     ask(side, big, 0)
-    assert "run:B" not in side._kept and "run:A" in side._kept  # B returns last: it goes
+    assert "run:B" not in side.holds.kept and "run:A" in side.holds.kept  # B returns last: it goes
     assert side.stats.counter("hold.released.room") == 1 and bp.num_free(pool) == 13
     evict_all(pool)  # vLLM allocates for the big request
     assert bp.cached_block(pool, b[0]) is None and bp.cached_block(pool, a[0]) is not None
@@ -1624,9 +1624,9 @@ def test_a_request_that_fits_the_free_blocks_exactly_releases_no_hold(pool: Bloc
     fits = request("fits", chain("w", 1), free * BS, session=None)
     side.on_new_request(fits)
     assert ask(side, fits, 0) == 0
-    assert "run:A" in side._kept and side.stats.counter("hold.released.room") == 0
+    assert "run:A" in side.holds.kept and side.stats.counter("hold.released.room") == 0
     taken = bp.allocate(pool, free)  # what vLLM allocates for it: every free block, none held
-    assert len(taken) == free and "run:A" in side._kept
+    assert len(taken) == free and "run:A" in side.holds.kept
     bp.release(pool, taken)
 
 
@@ -1648,11 +1648,11 @@ def test_a_request_waiting_for_its_own_prefetch_releases_no_other_hold(
     req = request("r2", [*hashes, *chain("n", 1)], 12 * BS)  # more than is free without B's hold
     side.on_new_request(req)
     assert ask(side, req, 0) is None
-    assert "run:B" in side._kept and side.stats.counter("hold.released.room") == 0
+    assert "run:B" in side.holds.kept and side.stats.counter("hold.released.room") == 0
     assert side.stats.counter("admission.held_back.prefetch") == 1
     answer(side, TokenCakeMetadata([job]))
     assert ask(side, req, 2 * BS) == 0  # its copy landed: a device hit
-    assert "run:B" in side._kept  # and it fits beside B's chain
+    assert "run:B" in side.holds.kept  # and it fits beside B's chain
 
 
 def test_a_hold_that_cannot_make_room_is_not_released(pool: BlockPool, clock: Clock) -> None:
@@ -1661,7 +1661,7 @@ def test_a_hold_that_cannot_make_room_is_not_released(pool: BlockPool, clock: Cl
     huge = request("huge", chain("w", 1), 40 * BS, session=None)  # never fits in 15 blocks
     side.on_new_request(huge)
     ask(side, huge, 0)
-    assert "run:A" in side._kept and len(pinned(pool)) == 2
+    assert "run:A" in side.holds.kept and len(pinned(pool)) == 2
 
 
 def test_holds_leave_a_free_block_per_running_request(pool: BlockPool, clock: Clock) -> None:
@@ -1670,7 +1670,7 @@ def test_holds_leave_a_free_block_per_running_request(pool: BlockPool, clock: Cl
     running = bp.allocate(pool, 12)  # the running requests grew: 1 free block left
     side.observe_step(3, num_running=3)  # and 3 of them may each need one next step
     side.build_meta()
-    assert "run:A" not in side._kept and side.stats.counter("hold.released.reserve") == 1
+    assert "run:A" not in side.holds.kept and side.stats.counter("hold.released.reserve") == 1
     bp.release(pool, running)
     assert_no_pins(pool)
 
@@ -1680,7 +1680,7 @@ def _critical_and_other_held(side: SchedulerSide, pool: BlockPool, clock: Clock)
     take_over(side)  # the spatial scheduler is on
     _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)
     _held_after_prefetch(side, pool, clock, "a", "run:A", "sA", 5.0, critical=True)
-    assert side._kept["run:A"].critical and not side._kept["run:B"].critical
+    assert side.holds.kept["run:A"].critical and not side.holds.kept["run:B"].critical
     assert len(pinned(pool)) == 4 and bp.num_free(pool) == 11
     assert side.reserved_blocks() == 2
 
@@ -1694,11 +1694,11 @@ def test_the_critical_reserve_is_not_lent_to_a_fresh_non_critical_admission(
     side.on_new_request(big)
     ask(side, big, 0)
     # B's hold alone would not make room and A's is reserved: nothing goes, the request waits.
-    assert set(side._kept) == {"run:A", "run:B"}
+    assert set(side.holds.kept) == {"run:A", "run:B"}
     assert side.stats.counter("spatial.reserve_denials") == 1
     clock.t += side.opts.critical_reserve_wait_s  # it has waited long enough: the reserve is lent
     ask(side, big, 0)
-    assert not side._kept and bp.num_free(pool) == 15
+    assert not side.holds.kept and bp.num_free(pool) == 15
     assert side.stats.counter("hold.released.room") == 2
 
 
@@ -1710,7 +1710,7 @@ def test_a_plain_request_is_not_held_back_by_the_critical_reserve(pool: BlockPoo
     big = request("big", chain("w", 1), 14 * BS, session=None)
     side.on_new_request(big)
     assert ask(side, big, 0) == 0
-    assert not side._kept and bp.num_free(pool) == 15
+    assert not side.holds.kept and bp.num_free(pool) == 15
     assert side.stats.counter("spatial.reserve_denials") == 0
 
 
@@ -1723,11 +1723,11 @@ def test_the_critical_reserve_yields_non_critical_holds_first_and_never_to_criti
     side.on_new_request(mid)
     ask(side, mid, 0)
     # B returns sooner but is not on the critical path: its hold goes, A's stays.
-    assert set(side._kept) == {"run:A"}
+    assert set(side.holds.kept) == {"run:A"}
     crit = request("crit", chain("c", 1), 14 * BS, session="run:C", critical=True)
     side.on_new_request(crit)
     ask(side, crit, 0)  # a critical request may take the reserve
-    assert not side._kept
+    assert not side.holds.kept
 
 
 def test_the_critical_reserve_is_capped_and_off_without_the_spatial_scheduler(
@@ -1740,7 +1740,7 @@ def test_the_critical_reserve_is_capped_and_off_without_the_spatial_scheduler(
         big = request(f"big{frac}", chain(f"w{frac}", 1), 14 * BS, session="run:W")
         side.on_new_request(big)
         ask(side, big, 0)
-        assert not side._kept, (critical_last, frac)
+        assert not side.holds.kept, (critical_last, frac)
         assert side.stats.counter("spatial.reserve_denials") == 0
         evict_all(pool)
         assert_no_pins(pool)
@@ -1754,7 +1754,7 @@ def test_a_stuck_engine_releases_the_critical_reserve_too(pool: BlockPool, clock
     for left in ({"run:A"}, set()):  # an idle step with requests waiting: non-critical goes first
         side.observe_step(0, num_running=0)
         side.build_meta()
-        assert set(side._kept) == left
+        assert set(side.holds.kept) == left
     assert side.stats.counter("hold.released.pressure") == 2
     assert side.stats.histogram("spatial.reserved_frac")["count"] >= 2
 
@@ -1771,17 +1771,17 @@ def test_held_chains_yield_to_a_running_request_before_vllm_preempts_one(
     _critical_and_other_held(side, pool, clock)  # B (not critical) and A (critical), 2 blocks each
     running = bp.allocate(pool, bp.num_free(pool))  # the running requests hold every free block
     assert side.free_for_running() is True
-    assert set(side._kept) == {"run:A"} and bp.num_free(pool) == 2
+    assert set(side.holds.kept) == {"run:A"} and bp.num_free(pool) == 2
     waiting = request("w", chain("w", 1), BS, session=None)
     side.on_new_request(waiting)
     assert ask(side, waiting, 0) is None  # not in this pass
     side.observe_step(BS, num_running=len(running))  # the pass is over
-    assert side._keep_free() == bp.num_free(pool) == 2  # its step's prefetches take none of them
+    assert side.admission.keep_free() == bp.num_free(pool) == 2  # its step's prefetches take none of them
     assert ask(side, waiting, 0) == 0
     side.observe_step(BS, num_running=len(running))
-    assert side._keep_free() == len(running)  # the next step: the usual rule again
+    assert side.admission.keep_free() == len(running)  # the next step: the usual rule again
     running += bp.allocate(pool, 2)  # the running request took them; another one is short now
-    assert side.free_for_running() is True and not side._kept
+    assert side.free_for_running() is True and not side.holds.kept
     running += bp.allocate(pool, 2)
     assert side.free_for_running() is False  # nothing held: vLLM preempts
     assert side.stats.counter("hold.yielded_to_running") == 2
@@ -1802,9 +1802,9 @@ def test_held_chains_yield_what_the_running_requests_need_at_once(pool: BlockPoo
     _held_after_prefetch(side, pool, clock, "d", "run:D", "sD", 3.0)
     running = bp.allocate(pool, bp.num_free(pool))
     assert side.free_for_running() is True
-    assert set(side._kept) == {"run:B"} and bp.num_free(pool) == 4  # two 2-block chains for 3
+    assert set(side.holds.kept) == {"run:B"} and bp.num_free(pool) == 4  # two 2-block chains for 3
     need[0] = 0  # (a count below one block still yields one)
-    assert side.free_for_running() is True and not side._kept
+    assert side.free_for_running() is True and not side.holds.kept
     assert side.stats.counter("hold.released.running") == 3
     bp.release(pool, running)
     assert_no_pins(pool)
@@ -1819,7 +1819,7 @@ def test_a_failing_running_count_yields_a_block_as_without_it(pool: BlockPool, c
     side.enable_admission_control(running_need=broken)
     _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)
     running = bp.allocate(pool, bp.num_free(pool))
-    assert side.free_for_running() is True and not side._kept
+    assert side.free_for_running() is True and not side.holds.kept
     assert side.stats.counter("errors.running_need") == 1
     bp.release(pool, running)
 
@@ -1872,14 +1872,14 @@ def test_admission_measures_a_prompt_as_vllms_admission_test_does(pool: BlockPoo
     bp.release(pool, blocks)  # cached, idle: hits that count against the free blocks
     put_on_host(side, hashes[2:4])
     req = request("p", hashes, 6 * BS + 1)
-    hits = side._local_hits(req)
+    hits = side.demand.local_hits(req)
     assert hits == hashes[:2]
-    assert side._admission_need(req, hits) == (7 - 2 + 2, 2)
+    assert side.admission._admission_need(req, hits) == (7 - 2 + 2, 2)
     side.max_step_tokens = 2 * BS
     side.full_sequence_must_fit = False
-    assert side._admission_need(req, hits) == (6 - 2 + 2, 2)  # 2 hit + 2 on host + a 2-block chunk
+    assert side.admission._admission_need(req, hits) == (6 - 2 + 2, 2)  # 2 hit + 2 on host + a 2-block chunk
     req.skip_reading_prefix_cache = True
-    assert side._local_hits(req) == []
+    assert side.demand.local_hits(req) == []
     evict_all(pool)
 
 
@@ -1900,7 +1900,7 @@ def test_room_for_an_admission_counts_vllms_lookahead_slots_and_watermark(
     req = request("q", chain("q", 1), 13 * BS, session=None)  # 13 blocks: fits only without either
     side.on_new_request(req)
     ask(side, req, 0)
-    assert (not side._kept) is released
+    assert (not side.holds.kept) is released
     evict_all(pool)
     side.release_device_holds()
     assert_no_pins(pool)
@@ -2082,7 +2082,7 @@ def test_random_decisions_never_leak_a_pin_or_publish_an_unconfirmed_block(
 
     def settle(meta: TokenCakeMetadata, ok: bool) -> None:
         for j in meta.jobs:
-            job = side._jobs.get(j.job_id)
+            job = side.copies.jobs.get(j.job_id)
             if ok and job is not None and job.kind == "offload":
                 confirmed.update(job.hashes)
         answer(side, meta, ok=ok)
@@ -2126,18 +2126,20 @@ def test_random_decisions_never_leak_a_pin_or_publish_an_unconfirmed_block(
         held = {side.host.hash_of(slot) for slot in range(side.host.num_blocks)} - {None}
         assert held <= confirmed
         # One active stall per session, mapping exactly its open calls.
-        assert sorted(side._session_stall) == sorted(st.session_id for st in side._stalls.values())
-        assert side._call_stall == {c: st.stall_id for st in side._stalls.values() for c in st.calls.open}
+        assert sorted(side.stalls.by_session) == sorted(st.session_id for st in side.stalls.active.values())
+        assert side.stalls.by_call == {
+            c: st.stall_id for st in side.stalls.active.values() for c in st.calls.open
+        }
     for s, running in open_calls.items():
         for sid in running:
             side.handle_event(end(sid, s))
     pending.append(side.build_meta())
     for meta in pending:
         settle(meta, ok=True)
-    assert side._stalls == {} and side._call_stall == {} and side._session_stall == {}
+    assert side.stalls.active == {} and side.stalls.by_call == {} and side.stalls.by_session == {}
     side.shutdown()
     assert not pinned(pool), pinned(pool)
-    assert not side._jobs
+    assert not side.copies.jobs
 
 
 def test_offload_all_lru_loses_tails_first_and_keeps_reused_chains(pool: BlockPool, clock: Clock) -> None:
@@ -2185,7 +2187,7 @@ def test_time_to_first_token_of_resumed_turns(pool: BlockPool, clock: Clock) -> 
     side.build_meta()
     side.request_finished(req)
     assert side.stats.histogram("next_turn.ttft_s")["count"] == 1  # once per request
-    assert not side._first_token  # a first turn (r0) was never watched
+    assert not side.requests.first_token  # a first turn (r0) was never watched
 
 
 def test_a_retryable_no_backs_off_while_nothing_waits(pool: BlockPool, clock: Clock) -> None:
@@ -2196,7 +2198,7 @@ def test_a_retryable_no_backs_off_while_nothing_waits(pool: BlockPool, clock: Cl
     finish_turn(side, pool, chain("b", 2))
     side.handle_event(begin(predicted=100.0))
     side.build_meta()
-    (stall,) = side._stalls.values()
+    (stall,) = side.stalls.active.values()
     assert stall.decision == "host_pool_full"
     intervals = []
     for _ in range(7):
@@ -2296,7 +2298,7 @@ def test_stalls_are_derived_from_requests_when_the_client_sends_no_events(
     bp.release(pool, blocks)
     assert side.stats.counter("events.derived_begin") == 1
     side.build_meta()
-    (stall,) = side._stalls.values()
+    (stall,) = side.stalls.active.values()
     assert stall.stall_id == "derived:r1" and stall.tool == "search" and stall.predicted_s == 4.0
     clock.t += 3.0
     nxt = request("r2", [*hashes, *chain("e", 1)], 4 * BS + 1, events=False)
@@ -2350,7 +2352,7 @@ def test_stalls_of_sessions_that_sent_no_request_do_not_teach_the_forecast(
     finish_turn(side, pool, chain("k", 2))
     side.handle_event(begin(predicted=3.0))
     side.build_meta()
-    (stall,) = side._stalls.values()
+    (stall,) = side.stalls.active.values()
     assert side.forecaster.predict(stall.agent_type, "search").samples == 0
     side.handle_event(end(duration=3.0))
     side.build_meta()
@@ -2562,7 +2564,7 @@ def test_the_reserve_clock_starts_at_arrival_or_at_the_first_look(
     assert inversions(side)[0] == 1
     assert side.stats.counter("spatial.critical_inversions_late") == 1
     assert side.stats.counter("spatial.critical_reserve_waits") == (2 if waits else 0)
-    assert not side._first_look and not side._arrival
+    assert not side.requests.first_look and not side.requests.arrival
 
 
 @pytest.mark.parametrize(
@@ -2645,16 +2647,16 @@ def test_the_critical_hash_index_follows_the_watched_chains(pool: BlockPool, clo
     """Watched when a critical request with an announced tool call finishes; forgotten when its
     session is admitted again or pushed out of the watch by newer ones."""
     side = make_side(pool, clock, offload=False)
-    side._critical_idle.max_items = 2
+    side.critical.idle.max_items = 2
     chains = {sid: chain(sid, 2) for sid in ("run:A", "run:B", "run:C")}
     for i, (sid, hashes) in enumerate(chains.items()):
         finish_turn(side, pool, hashes, f"r{i}", session=sid, next_tool=5.0, critical=True)
-    assert set(side._critical_owners) == {*chains["run:B"], *chains["run:C"]}  # A pushed out
+    assert set(side.critical.owners) == {*chains["run:B"], *chains["run:C"]}  # A pushed out
     again = request("r9", [*chains["run:B"], *chain("b2", 1)], 3 * BS + 1, session="run:B")
     side.on_new_request(again)
     side.update_state_after_alloc(again, [], 0)
-    assert set(side._critical_owners) == set(chains["run:C"])
-    assert all(side._critical_owners[h] == {"run:C"} for h in chains["run:C"])
+    assert set(side.critical.owners) == set(chains["run:C"])
+    assert all(side.critical.owners[h] == {"run:C"} for h in chains["run:C"])
 
 
 def test_a_critical_chain_is_spared_before_its_stall_begins_not_after_it_went_silent(
@@ -2744,13 +2746,13 @@ def test_holds_sharing_blocks_free_them_when_released_together(pool: BlockPool, 
     side = make_side(pool, clock)
     shared, a, b = bp.allocate(pool, 1), bp.allocate(pool, 1), bp.allocate(pool, 1)
     shared[0].ref_cnt += 1  # the second hold's reference
-    keep_a = _Keep("A", [*shared, *a], until=1e9, since=0.0)
-    keep_b = _Keep("B", [*shared, *b], until=1e9, since=0.0)
+    keep_a = Keep("A", [*shared, *a], until=1e9, since=0.0)
+    keep_b = Keep("B", [*shared, *b], until=1e9, since=0.0)
     assert keep_a.releasable == keep_b.releasable == 1
-    assert side._releasable([keep_a]) == side._releasable([keep_b]) == 1
-    assert side._releasable([keep_a, keep_b]) == 3
+    assert side.holds.releasable([keep_a]) == side.holds.releasable([keep_b]) == 1
+    assert side.holds.releasable([keep_a, keep_b]) == 3
     shared[0].ref_cnt += 1  # a running request reads it too: releasing the holds does not free it
-    assert side._releasable([keep_a, keep_b]) == 2
+    assert side.holds.releasable([keep_a, keep_b]) == 2
 
 
 def test_a_preempted_request_counts_as_waiting_so_an_idle_engine_releases_holds(
@@ -2764,10 +2766,10 @@ def test_a_preempted_request_counts_as_waiting_so_an_idle_engine_releases_holds(
     side.on_new_request(req)
     ask(side, req, 0)
     side.update_state_after_alloc(req, [], 0)
-    assert not side._waiting
+    assert not side.requests.waiting
     side.observe_step(4 * BS, num_running=1)
     side.observe_step(0, num_running=0, preempted={"p"})
-    assert side._waiting == {"p": 4}
+    assert side.requests.waiting == {"p": 4}
     # What the extension kept out of the free queue when vLLM preempted: the hold, no copy pins.
     assert (
         side.stats.counter("preemptions.requests") == 1 and side.stats.counter("preemptions.kept.holds") == 1
@@ -2779,9 +2781,9 @@ def test_a_preempted_request_counts_as_waiting_so_an_idle_engine_releases_holds(
         == 0
     )
     side.build_meta()
-    assert "run:A" not in side._kept and side.stats.counter("hold.released.pressure") == 1
+    assert "run:A" not in side.holds.kept and side.stats.counter("hold.released.pressure") == 1
     side.request_finished(req)  # aborted while waiting: nothing left behind
-    assert not side._waiting and not side._admitted
+    assert not side.requests.waiting and not side.requests.admitted
 
 
 def test_a_reserve_denial_lets_vllm_look_at_the_next_request(pool: BlockPool, clock: Clock) -> None:
@@ -2796,7 +2798,7 @@ def test_a_reserve_denial_lets_vllm_look_at_the_next_request(pool: BlockPool, cl
     small = request("small", chain("s", 1), 4 * BS, session=None)  # fits in the free blocks
     side.on_new_request(small)
     assert ask(side, small, 0) == 0
-    assert set(side._kept) == {"run:A", "run:B"}
+    assert set(side.holds.kept) == {"run:A", "run:B"}
 
 
 def test_released_holds_go_before_the_spared_critical_chain(pool: BlockPool, clock: Clock) -> None:
@@ -2815,7 +2817,7 @@ def test_released_holds_go_before_the_spared_critical_chain(pool: BlockPool, clo
     req = request("n", chain("n", 1), free * BS + 1, session="run:N", slack=30.0)  # needs free + 1
     side.on_new_request(req)
     assert ask(side, req, 0) == 0
-    assert "run:B" not in side._kept
+    assert "run:B" not in side.holds.kept
     taken = bp.allocate(pool, free + 1)  # what vLLM allocates for it
     assert all(bp.cached_block(pool, h) is not None for h in crit)
     bp.release(pool, taken)
@@ -2832,7 +2834,7 @@ def test_a_chain_still_on_device_is_never_counted_as_having_no_room(pool: BlockP
     big = request("big", chain("w", 1), 14 * BS, session=None)  # the queue wants every free block
     side.on_new_request(big)
     assert all(bp.cached_block(pool, h) is not None for h in hashes)
-    assert side._room_for_chain("run:A", "r2") is True
+    assert side.readiness.room_for_chain("run:A", "r2") is True
 
 
 def test_no_room_keeps_a_block_free_per_running_request_as_the_prefetch_budget_does(
@@ -2845,9 +2847,9 @@ def test_no_room_keeps_a_block_free_per_running_request_as_the_prefetch_budget_d
     hashes = _offloaded_and_evicted(side, pool, clock)
     free = bp.num_free(pool)
     side.observe_step(BS, num_running=free - 1)  # one block short for the two-block chain
-    assert side._room_for_chain("run:A", "r2") is False
+    assert side.readiness.room_for_chain("run:A", "r2") is False
     side.observe_step(BS, num_running=free - 2)
-    assert side._room_for_chain("run:A", "r2") is True
+    assert side.readiness.room_for_chain("run:A", "r2") is True
     clock.t += 2.0
     side.handle_event(end(duration=2.0))
     side.observe_step(BS, num_running=free)
@@ -2868,7 +2870,7 @@ def test_readiness_is_judged_when_the_request_arrives_not_when_vllm_first_asks(
     req = request("r2", [*hashes, *chain("n", 1)], 3 * BS + 1)
     side.on_new_request(req)  # its chain is on host only, nothing loading, the device has room
     side.on_new_request(request("big", chain("w", 1), 14 * BS, session=None))  # then the queue fills
-    assert side._room_for_chain("run:A", "r2") is False  # what a first-ask check would have seen
+    assert side.readiness.room_for_chain("run:A", "r2") is False  # what a first-ask check would have seen
     assert ask(side, req, 0) == 2 * BS
     allocated = bp.allocate(pool, 3)
     side.update_state_after_alloc(req, [b.block_id for b in allocated], 2 * BS)
@@ -2957,15 +2959,15 @@ def test_a_due_return_is_prefetched_ahead_of_the_queue_and_its_room_kept(
     (job,) = side.build_meta().jobs
     assert job.kind == "prefetch" and len(job.device_blocks) == 3  # the whole chain, not its head
     answer(side, TokenCakeMetadata([job]))
-    assert "run:A" in side._kept and "run:A" in side._returning
+    assert "run:A" in side.holds.kept and "run:A" in side.admission.returning
     assert ask(side, queued, 0) is None  # A's hold is not given to it
-    assert side.stats.counter("return_reserve.denials") == 1 and "run:A" in side._kept
+    assert side.stats.counter("return_reserve.denials") == 1 and "run:A" in side.holds.kept
     plan = side.planner.get("s1")
     assert plan is not None
     clock.t = plan.late_at + 0.01  # the tool ran past its likely return: the room is lent
     side.build_meta()
-    assert side._returning == {}
-    assert ask(side, queued, 0) == 0 and "run:A" not in side._kept
+    assert side.admission.returning == {}
+    assert ask(side, queued, 0) == 0 and "run:A" not in side.holds.kept
 
 
 @pytest.mark.parametrize(("mode", "scheduler"), [("off", True), ("on", False)])
@@ -2980,7 +2982,7 @@ def test_without_kept_room_the_queue_gets_the_blocks_first(
     side.on_new_request(queued)
     (job,) = side.build_meta().jobs
     assert len(job.device_blocks) == 1 and side.stats.counter("prefetch.partial") == 1
-    assert side._returning == {}
+    assert side.admission.returning == {}
     answer(side, TokenCakeMetadata([job]))
     assert ask(side, queued, 0) == 0  # it fits beside the head
     assert side.stats.counter("return_reserve.denials") == 0
@@ -2993,7 +2995,7 @@ def test_kept_room_holds_back_only_an_agent_requests_first_admission(pool: Block
     request with nothing running never wait."""
     side, hashes = _returning_case(pool, clock)
     running = bp.allocate(pool, 14)  # one block free, one request running: no budget
-    assert side.build_meta().jobs == [] and side._returning == {"run:A": 3}
+    assert side.build_meta().jobs == [] and side.admission.returning == {"run:A": 3}
     bp.release(pool, running[:10])  # running requests finished: 11 free
     big = request("big", chain("w", 1), 9 * BS, session="run:W")  # would leave 2 < 3
     side.on_new_request(big)
@@ -3023,15 +3025,15 @@ def test_while_room_is_kept_an_admission_releases_no_hold(pool: BlockPool, clock
     _held_after_prefetch(side, pool, clock, "b", "run:B", "sB", 1.0)  # B's likely return is past
     _due_return(side, pool, clock)
     running = bp.allocate(pool, bp.num_free(pool) - 1)  # no budget for A's upload
-    assert side.build_meta().jobs == [] and side._returning == {"run:A": 3}
+    assert side.build_meta().jobs == [] and side.admission.returning == {"run:A": 3}
     bp.release(pool, running[:10])  # 11 free, B holds 2
     w = request("w", chain("w", 1), 10 * BS, session="run:W")  # 10 blocks + A's 3 > 11 free
     side.on_new_request(w)
     assert ask(side, w, 0) is None
-    assert "run:B" in side._kept and side.stats.counter("return_reserve.denials") == 1
+    assert "run:B" in side.holds.kept and side.stats.counter("return_reserve.denials") == 1
     fits = request("fits", chain("f", 1), 8 * BS, session="run:F")  # 8 + 3 = 11: fits beside it
     side.on_new_request(fits)
-    assert ask(side, fits, 0) == 0 and "run:B" in side._kept
+    assert ask(side, fits, 0) == 0 and "run:B" in side.holds.kept
     bp.release(pool, running[10:])
 
 
@@ -3040,12 +3042,12 @@ def test_an_upload_in_flight_counts_against_the_kept_room(pool: BlockPool, clock
     only what is still missing (it counted them twice until the copy landed)."""
     side, _hashes = _returning_case(pool, clock)
     (job,) = side.build_meta().jobs  # the due upload: all 3 blocks, copy in flight
-    assert job.kind == "prefetch" and side._returning == {"run:A": 3}  # taken before the upload
+    assert job.kind == "prefetch" and side.admission.returning == {"run:A": 3}  # taken before the upload
     side.build_meta()
-    assert side._returning == {}  # 3 missing - 3 being copied
+    assert side.admission.returning == {}  # 3 missing - 3 being copied
     answer(side, TokenCakeMetadata([job]))
     side.build_meta()
-    assert side._returning == {} and "run:A" in side._kept  # held now
+    assert side.admission.returning == {} and "run:A" in side.holds.kept  # held now
 
 
 # ---- concurrent tool calls of one session (the SDK runs a turn's tool calls at once)
@@ -3065,8 +3067,8 @@ def _parallel_calls(
     assert job.kind == "offload"
     answer(side, meta)
     evict_all(pool)
-    stall = side._active_stall("run:A")
-    assert stall is not None and stall.stall_id == "A" and list(side._stalls) == ["A"]
+    stall = side.stalls.active_of("run:A")
+    assert stall is not None and stall.stall_id == "A" and list(side.stalls.active) == ["A"]
     assert len(side.host.owned_by(stall_owner("A"))) == 3 and side.host.owned_by(stall_owner("B")) == []
     assert side.stats.counter("stalls.joined") == 1
     assert side.stats.counter("stalls.decision.offload") == 1  # one chain, decided once
@@ -3098,8 +3100,8 @@ def _resume(side: SchedulerSide, pool: BlockPool, hashes: list[bytes], on_device
 
 def _nothing_left(side: SchedulerSide, pool: BlockPool, clock: Clock) -> None:
     """No stall open or eligible for kept room, no call mapped, no host or device pin left."""
-    assert side._stalls == {} and side._session_stall == {} and side._call_stall == {}
-    assert side._reserve_returns(clock.t) == {} and side._returning == {}
+    assert side.stalls.active == {} and side.stalls.by_session == {} and side.stalls.by_call == {}
+    assert side.admission.reserve_returns(clock.t) == {} and side.admission.returning == {}
     assert side.host.owned_by(stall_owner("A")) == [] and side.host.owned_by(stall_owner("B")) == []
     assert side.host.num_reclaimable == side.host.num_blocks - side.host.num_free
     assert_no_pins(pool)
@@ -3120,9 +3122,9 @@ def test_parallel_tool_calls_share_one_stall_due_back_when_the_last_returns(
     clock.t += 6.0
     side.handle_event(end("A", duration=6.0, tool="search"))
     assert side.build_meta().jobs == []  # A is back, B still runs: nothing due yet
-    assert side._active_stall("run:A") is stall and stall.ended_at is None
+    assert side.stalls.active_of("run:A") is stall and stall.ended_at is None
     assert (_samples(side, "search"), _samples(side, "fetch")) == (1, 0)
-    assert side._returning == {}
+    assert side.admission.returning == {}
     clock.t = plan.due_at + 0.01
     (job,) = side.build_meta().jobs
     assert job.kind == "prefetch" and job.device_blocks
@@ -3130,7 +3132,7 @@ def test_parallel_tool_calls_share_one_stall_due_back_when_the_last_returns(
     clock.t += 10.0
     side.handle_event(end("B", duration=20.0, tool="fetch"))
     side.build_meta()
-    assert side._active_stall("run:A") is None and stall.ended_at == clock.t
+    assert side.stalls.active_of("run:A") is None and stall.ended_at == clock.t
     assert (_samples(side, "search"), _samples(side, "fetch")) == (1, 1)
     assert side.planner.stats()["return_ratio_samples"] == 2  # one per call, with its own forecast
     _resume(side, pool, hashes, on_device=True)
@@ -3153,7 +3155,7 @@ def test_a_parallel_call_ending_first_keeps_the_stall_open_for_the_other(
     clock.t += 5.0
     side.handle_event(end("B", duration=5.0, tool="fetch"))
     side.build_meta()
-    assert side._active_stall("run:A") is stall and stall.ended_at is None
+    assert side.stalls.active_of("run:A") is stall and stall.ended_at is None
     assert (_samples(side, "search"), _samples(side, "fetch")) == (0, 1)
     clock.t += 1.0
     _resume(side, pool, hashes, on_device=False)  # A's end never came
@@ -3202,11 +3204,11 @@ def test_a_parallel_call_without_an_end_expires_alone_while_the_other_runs(
     assert side.stats.counter("stalls.expired.no_stall_end") == 1
     record = side.sessions.stall("A")
     assert record is not None and record.state == "expired"
-    assert side._active_stall("run:A") is stall and list(stall.calls.open) == ["B"]
+    assert side.stalls.active_of("run:A") is stall and list(stall.calls.open) == ["B"]
     assert len(side.host.owned_by(stall_owner("A"))) == 3  # the chain stays pinned for B
     side.handle_event(end("A", duration=70.0))  # a late end of an expired call changes nothing
     side.build_meta()
-    assert _samples(side, "search") == 0 and side._active_stall("run:A") is stall
+    assert _samples(side, "search") == 0 and side.stalls.active_of("run:A") is stall
     clock.t = plan.begin_at + 400.0
     side.build_meta()
     assert side.stats.counter("stalls.expired.no_stall_end") == 2
@@ -3223,7 +3225,7 @@ def test_a_longer_parallel_call_asks_again_for_a_stall_too_short_to_offload(
     finish_turn(side, pool, chain("short", 3))
     side.handle_event(begin("A", predicted=0.0001))
     assert side.build_meta().jobs == []
-    stall = side._active_stall("run:A")
+    stall = side.stalls.active_of("run:A")
     assert stall is not None and stall.decision == "too_short"
     side.handle_event(begin("B", predicted=30.0, tool="fetch"))
     (job,) = side.build_meta().jobs
@@ -3251,7 +3253,7 @@ def test_derived_tool_calls_of_two_requests_in_flight_share_the_stall_and_end_to
         side.request_finished(req)
     bp.release(pool, blocks)
     side.build_meta()
-    (stall,) = side._stalls.values()
+    (stall,) = side.stalls.active.values()
     assert stall.stall_id == "derived:r1" and list(stall.calls.open) == ["derived:r1", "derived:r2"]
     clock.t += 3.0
     nxt = request("r3", [*hashes, *chain("e", 1)], 4 * BS + 1, events=False)
@@ -3259,6 +3261,6 @@ def test_derived_tool_calls_of_two_requests_in_flight_share_the_stall_and_end_to
     assert side.stats.counter("events.derived_end") == 2
     side.get_num_new_matched_tokens(nxt, 3 * BS)
     admit(side, pool, nxt, hashes)
-    assert stall.ended_at is not None and stall.accounted and side._stalls == {}
+    assert stall.ended_at is not None and stall.accounted and side.stalls.active == {}
     assert side.stats.counter("next_turn.requests") == 1
     assert side.sessions.active_stalls() == []

@@ -152,7 +152,7 @@ class Engine:
         bp.release(self.pool, [self.pool.blocks[i] for i in ids])
 
     def assert_settled(self) -> None:
-        assert not self.side._jobs and not self.worker.busy
+        assert not self.side.copies.jobs and not self.worker.busy
         assert all(b.ref_cnt == 0 for b in self.pool.blocks[1:]), "a device block stayed pinned"
         assert self.side.host.num_filling == 0
 
@@ -204,7 +204,7 @@ def test_stalled_copy_takes_the_timeout_path_without_crashing() -> None:
     eng.step()
     assert eng.side.stats.counter("jobs.timed_out") == 1  # the timeout path
     assert not eng.side.has_pending_work()  # a hung copy does not keep the engine spinning
-    (job,) = eng.side._jobs.values()
+    (job,) = eng.side.copies.jobs.values()
     assert job.abandoned
     assert all(b.ref_cnt > 0 for b in job.device_blocks)  # still pinned: the copy may be reading
     assert all(eng.side.host.lookup(h) is None for h in hashes)  # never committed
@@ -213,7 +213,7 @@ def test_stalled_copy_takes_the_timeout_path_without_crashing() -> None:
     assert eng.reported is not None and eng.reported.results[1].ok
     assert eng.side.stats.counter("jobs.late_reports") == 1
     assert eng.side.stats.counter("offload.blocks") == 0
-    assert not eng.side._jobs
+    assert not eng.side.copies.jobs
     eng.assert_settled()
 
 

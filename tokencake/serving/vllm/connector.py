@@ -46,9 +46,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tokencake.serving.event_api import EVENTS_API_KEY_ENV, EventServer
 from tokencake.serving.host_pool import blocks_for_gib
-from tokencake.serving.kvcore.core import _extra_bool
 from tokencake.serving.model import tokencake_home
-from tokencake.serving.options import RESERVE_WAIT_FROM, RETURN_RESERVE
+from tokencake.serving.options import RESERVE_WAIT_FROM, RETURN_RESERVE, extra_bool
 from tokencake.serving.policies import POLICY_NAMES
 from tokencake.serving.profile import PrefillProfile, profile_path
 from tokencake.serving.spatial import ADMISSIONS
@@ -176,7 +175,7 @@ def _options(extra: dict[str, Any]) -> Options:
         "critical_last",
         "critical_spare_late",
     ):
-        setattr(opts, name, _extra_bool(extra, name, getattr(opts, name)))
+        setattr(opts, name, extra_bool(extra, name, getattr(opts, name)))
     for name, choices in (
         ("policy", POLICY_NAMES),
         ("critical_reserve_wait_from", RESERVE_WAIT_FROM),
@@ -328,7 +327,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
             options=opts,
             profile=PrefillProfile(device_is_cuda=cuda, path=_profile_file(vllm_config, extra, cuda)),
         )
-        if _extra_bool(extra, "wake_idle_engine", True):
+        if extra_bool(extra, "wake_idle_engine", True):
             wake = bp.find_engine_wakeup()
             self.sched.set_wake(wake)
             self.sched.stats.set("engine.wake_available", 1 if wake else 0)

@@ -1,0 +1,193 @@
+"""Device holds: chains a policy keeps, or a prefetch brought back, pinned on device for an idle session —
+and the rules by which they yield (TTL, room for running requests, a stuck engine, an admission that
+needs the room).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from tokencake.serving.kvcore.ports import DeviceBlock as KVCacheBlock
+from tokencake.serving.kvcore.records import Keep
+from tokencake.serving.spatial import demote_rank
+
+if TYPE_CHECKING:
+    from tokencake.serving.kvcore.core import KVCore
+
+log = logging.getLogger("vllm.tokencake")
+
+
+class Holds:
+    """Device holds (see the module docstring)."""
+
+    def __init__(self, core: KVCore) -> None:
+        self.core = core
+        #: Blocks vLLM's running requests still need this step (TokenCake's scheduler counts them).
+        self.running_need: Callable[[], int] | None = None
+        #: Holds yielded to a running request this scheduling pass (``free_for_running``): with
+        #: TokenCake's scheduler the pass admits no waiting request (bounded: ``admit``), so the
+        #: freed blocks are the running request's.
+        self.running_short = False
+        #: The last pass ended that way: its step spares no block for a prefetch (``keep_free``),
+        #: or the blocks just given back would be taken again before the running request's turn.
+        self.short_pass = False
+        #: Session id -> device blocks a policy keeps for it (``keep``).
+        self.kept: dict[str, Keep] = {}
+
+    def keep(
+        self,
+        session_id: str,
+        chain: list,
+        until: float,
+        now: float,
+        *,
+        rank: float | None = None,
+        kind: str = "keep",
+    ) -> None:
+        """Hold the chain's device blocks until ``until`` (or the session's next admission).
+
+        A session already held gets the chain's other blocks added (a second prefetch of the
+        same stall) and the later deadline.
+        """
+        assert self.core.pool is not None
+        held = self.kept.get(session_id)
+        have = {b.block_id for b in held.blocks} if held is not None else set()
+        blocks = [dev for _i, _h, dev, _s in chain if dev is not None and dev.block_id not in have]
+        if held is None and not blocks:
+            return
+        if blocks:
+            self.core.pool.pin(blocks)
+        if held is not None:
+            held.blocks.extend(blocks)
+            held.until = max(held.until, until)
+            return
+        self.kept[session_id] = Keep(
+            session_id,
+            blocks,
+            until,
+            now,
+            rank=until if rank is None else rank,
+            kind=kind,
+            critical=bool(self.core.critical.sessions.get(session_id)),
+        )
+        self.core.stats.inc(f"{kind}.sessions")
+        self.core.stats.inc(f"{kind}.blocks", len(blocks))
+
+    def unkeep(self, session_id: str, why: str) -> None:
+        held = self.kept.pop(session_id, None)
+        if held is None:
+            return
+        if self.core.pool is not None:
+            self.core.pool.release(held.blocks)
+        self.core.stats.inc(f"{held.kind}.released.{why}")
+        self.core.stats.observe(f"{held.kind}.held_s", max(self.core.clock() - held.since, 0.0))
+
+    def releasable(self, holds: Iterable[Keep]) -> int:
+        """Blocks that releasing all of ``holds`` together frees: those no one else references.
+        Two holds of sessions that share a system prompt reference its blocks twice, so neither
+        hold alone frees them (``Keep.releasable``), but releasing both does."""
+        refs: dict[int, int] = {}
+        blocks: dict[int, KVCacheBlock] = {}
+        for held in holds:
+            for b in held.blocks:
+                refs[id(b)] = refs.get(id(b), 0) + 1
+                blocks[id(b)] = b
+        return sum(blocks[k].ref_cnt <= n for k, n in refs.items())
+
+    def release_until(
+        self, enough: Callable[[], bool], why: str, *, spare: str = "", protect: frozenset[str] = frozenset()
+    ) -> int:
+        """Release holds until ``enough()``, in eviction order (``_hold_rank``); returns how many.
+
+        ``spare``: a session whose hold stays (the request asking for room is its own);
+        ``protect``: sessions whose holds stay (the critical reserve, ``_protected``).
+        """
+        released = 0
+        for held in sorted(self.kept.values(), key=self._hold_rank, reverse=True):
+            if enough():
+                break
+            if held.session_id == spare or held.session_id in protect:
+                continue
+            self.unkeep(held.session_id, why)
+            released += 1
+        return released
+
+    def _hold_rank(self, held: Keep) -> tuple[int, float]:
+        """Which hold yields first when room is needed: the highest rank (as ``_evict_rank``)."""
+        return demote_rank(critical=held.critical and self.core.critical_last, returns_at=held.rank)
+
+    def reserved_blocks(self) -> int:
+        """Device blocks held for critical-path sessions now (the reserve in use)."""
+        if not self.core.critical_last:
+            return 0
+        return sum(len(k.blocks) for k in self.kept.values() if k.critical)
+
+    def tick_keeps(self, now: float) -> None:
+        """Expired TTLs; room for the running requests' next blocks; and when requests wait while
+        the engine computed nothing this step, the latest return goes (a hold must never stop
+        every request from running)."""
+        for sid, held in list(self.kept.items()):
+            if held.until <= now:
+                self.unkeep(sid, "ttl")
+        if self.kept and self.core.pool is not None:
+            # A running request that finds no free block for its next token is preempted: keep
+            # one free block per running request (and the reserve) whatever is held.
+            floor = max(self.core.admission.reserve_blocks(), self.core.steps.running)
+            pool = self.core.pool
+            self.release_until(lambda: pool.num_free() >= floor, "reserve")
+        stuck = (
+            self.core.steps.last_step is not None
+            and self.core.steps.last_step[1] == 0
+            and bool(self.core.requests.waiting)
+        )
+        if stuck and self.kept:  # the critical reserve included: the engine must never idle
+            latest = max(self.kept.values(), key=self._hold_rank)
+            self.unkeep(latest.session_id, "pressure")
+
+    def free_for_running(self) -> bool:
+        """vLLM found no free block for a running request and is about to preempt one (it asks
+        ``has_pending_block_frees`` first). A held chain is a device copy of KV we chose to keep,
+        so it yields before any running request loses its own: release holds (latest return
+        first, critical ones last, the reserve included) until the running requests have the
+        blocks they still need this step (TokenCake's scheduler counts them, ``running_need``;
+        without it, until one block frees) — all at once, so a chunk that needs more blocks
+        than one hold frees is not stalled a step per hold.
+
+        True: vLLM schedules no further running request this pass, and with TokenCake's
+        scheduler this pass admits no waiting one (:meth:`admit`), so the request allocates next
+        step instead of being preempted (without that scheduler an admission may take the freed
+        blocks first). False (nothing held, or releasing frees nothing: the blocks are shared
+        with running requests): vLLM preempts, as stock vLLM does.
+        """
+        pool = self.core.pool
+        if pool is None or not self.kept:
+            return False
+        before = pool.num_free()
+        target = before + 1
+        if self.running_need is not None:
+            try:
+                target = max(target, int(self.running_need()))
+            except Exception:  # the count is an optimisation: yield one block's worth without it
+                self.core.stats.inc("errors.running_need")
+                log.exception("TokenCake: counting the running requests' blocks failed")
+        self.release_until(lambda: pool.num_free() >= target, "running")
+        if pool.num_free() <= before:
+            return False
+        self.running_short = True
+        self.core.stats.inc("hold.yielded_to_running")
+        return True
+
+    def release_device_holds(self) -> int:
+        """vLLM is about to reset its prefix cache, which fails while any device block is in use:
+        give back the chains held on device (keeps, prefetched holds); returns how many. Copies in
+        flight keep their pins until the workers report them (a reset during one still fails,
+        as it does for vLLM's own connectors with transfers in flight)."""
+        n = len(self.kept)
+        for sid in list(self.kept):
+            self.unkeep(sid, "reset")
+        return n
+
+
+__all__ = ["Holds"]
