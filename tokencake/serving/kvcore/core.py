@@ -290,6 +290,11 @@ class KVCore:
     #: (``scheduler.py``) turns this on when it takes over admission; off, the order is by
     #: predicted return only, as measured for the default server.
     critical_last: bool = False
+    #: The decision recorder (off: None): set to a list and every decision is appended to it in
+    #: order as ``{"t": clock, "what": ..., <fields>}`` — copy jobs planned, holds and their
+    #: release, admission waits, completions, commits, publishes, suspect marks, timeouts, resets.
+    #: Tests compare the backends' logs with it (``tests/sim/test_parity.py``).
+    decisions: list[dict[str, Any]] | None = None
 
     def __init__(
         self,
@@ -462,6 +467,12 @@ class KVCore:
         self.stats.register("profile", self.profile.stats)
         self.stats.register("engine", self._engine_stats)
         self.stats.register("config", self._config_stats)
+
+    # ------------------------------------------------------------ decision recorder
+    def _note(self, what: str, **fields: Any) -> None:
+        """Record one decision (callers check ``decisions is not None`` first: nothing when off)."""
+        assert self.decisions is not None
+        self.decisions.append({"t": self.clock(), "what": what, **fields})
 
     # ------------------------------------------------------------ wiring
     def bind_pool(self, pool: DevicePool) -> None:
@@ -951,6 +962,10 @@ class KVCore:
             return
         if blocks:
             self.pool.pin(blocks)
+        if self.decisions is not None:
+            self._note(
+                "hold", kind=kind, session=session_id, blocks=[b.block_id for b in blocks], until=until
+            )
         if held is not None:
             held.blocks.extend(blocks)
             held.until = max(held.until, until)
@@ -971,6 +986,8 @@ class KVCore:
         held = self._kept.pop(session_id, None)
         if held is None:
             return
+        if self.decisions is not None:
+            self._note("release", kind=held.kind, session=session_id, why=why)
         if self.pool is not None:
             self.pool.release(held.blocks)
         self.stats.inc(f"{held.kind}.released.{why}")
@@ -1363,6 +1380,8 @@ class KVCore:
             self._first_look[req_id] = self.clock()
         if self._running_short:  # a running request gets the blocks held chains just gave back
             self.stats.inc("hold.admission_waits_for_running")
+            if self.decisions is not None:
+                self._note("wait", req=req_id, why="running")
             return None
         info = self._reqs.get(req_id)
         if info is not None:
@@ -1376,6 +1395,8 @@ class KVCore:
                     info.waited_for_prefetch = True
                     self.stats.inc("demand_load.waited_for_prefetch")
                 if self.clock() - job.issued_at < self.opts.prefetch_wait_s:
+                    if self.decisions is not None:
+                        self._note("wait", req=req_id, why="prefetch")
                     return None
                 # A copy this slow is not worth waiting for: load on demand (the prefetch's blocks
                 # are its own; whichever lands second is simply not published).
@@ -1386,6 +1407,8 @@ class KVCore:
             self._critical_before = self._critical_cached()  # once per scheduling pass (kept current)
         try:
             if self._make_room(request, num_computed_tokens):
+                if self.decisions is not None:
+                    self._note("wait", req=req_id, why="room")
                 return None  # it waits a step for the critical reserve (``_spare_critical_chains``)
         except Exception:  # room is an optimisation: never fail the admission over it
             self.stats.inc("errors.make_room")
@@ -1766,6 +1789,8 @@ class KVCore:
     def reset_cache(self) -> bool:
         """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
         self._generation += 1
+        if self.decisions is not None:
+            self._note("reset")
         self._copied.clear()
         self._suspect.clear()  # no hash survives the reset
         self.release_device_holds()
@@ -2424,6 +2449,11 @@ class KVCore:
         )
         self._next_job += 1
         self._jobs[job.job_id] = job
+        if self.decisions is not None:
+            ids = [b.block_id for b in blocks]
+            self._note(
+                "job", kind=kind, job=job.job_id, hashes=hashes, blocks=ids, slots=job.slots, req=req_id
+            )
         return job
 
     def on_worker_meta(self, meta: CopyReport | None) -> None:
@@ -2462,6 +2492,10 @@ class KVCore:
 
     def _complete(self, job: _Job, *, ok: bool, seconds: float, error: str | None) -> None:
         self._jobs.pop(job.job_id, None)
+        if self.decisions is not None:
+            self._note(
+                "complete", kind=job.kind, job=job.job_id, ok=ok, stale=job.generation != self._generation
+            )
         nbytes = len(job.slots) * self.block_bytes
         kind = job.kind
         if ok:
@@ -2515,6 +2549,8 @@ class KVCore:
             suspect = self._suspect.get(block.block_id, -1) > job.job_id
             if ok and self.pool.has_hash(block, h) and not suspect:
                 used = self.host.commit(h, slot)
+                if self.decisions is not None:
+                    self._note("commit", job=job.job_id, hash=h, slot=used)
                 if stall is not None and stall.offloaded:
                     self.host.pin(used, stall_owner(stall.stall_id))
                 elif job.stall_id is None and job.session_id and self.policy.uses_events:
@@ -2557,6 +2593,8 @@ class KVCore:
                     self.stats.inc("prefetch.duplicate_blocks")
         if stall is not None:
             stall.prefetched.extend(published)
+        if self.decisions is not None:
+            self._note("publish", job=job.job_id, hashes=published)
         if job.stall_id is not None:
             if ok:
                 self.planner.mark_done(job.stall_id)
@@ -2629,6 +2667,8 @@ class KVCore:
                 marked.append(block.block_id)
         for bid in marked:
             self._suspect[bid] = self._next_job
+        if self.decisions is not None:
+            self._note("suspect", req=req_id, blocks=marked)
         if marked:
             self.pool.uncache(marked)
             self.stats.inc("demand_load.uncached_blocks", len(marked))
@@ -2670,6 +2710,8 @@ class KVCore:
             if job.abandoned or now - job.issued_at < self.opts.job_timeout_s:
                 continue
             job.abandoned = True
+            if self.decisions is not None:
+                self._note("timeout", job=job.job_id)
             self.stats.inc("jobs.timed_out")
             age = now - job.issued_at
             log.warning("TokenCake %s job %d unconfirmed after %.0f s", job.kind, job.job_id, age)
