@@ -65,8 +65,6 @@ class BlockCache:
         self.by_key: dict[Hashable, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict()
         self.evictions = 0
-        #: The keys the latest ``allocate`` evicted (critical-inversion accounting).
-        self.last_evicted: list[Hashable] = []
         self.seq = [0] * num_blocks
         self._order = _Order(max(1 << 16, 8 * num_blocks))
         for b in range(num_blocks):
@@ -139,8 +137,6 @@ class BlockCache:
         if n > len(self.free):
             raise CacheFull(f"{n} blocks asked, {len(self.free)} free")
         out = []
-        evicted: list[Hashable] = []
-        self.last_evicted = evicted
         for _ in range(n):
             b = next(iter(self.free))
             self._pop(b)
@@ -150,7 +146,6 @@ class BlockCache:
                     del self.by_key[k]
                 self.key[b] = None
                 self.evictions += 1
-                evicted.append(k)
             self.ref[b] = 1
             out.append(b)
         return out
@@ -211,6 +206,3 @@ class BlockCache:
             for b in moved:
                 self._push(b, front=False)
         return len(moved)
-
-    def reset(self) -> None:
-        self.__init__(self.num_blocks)  # type: ignore[misc]
