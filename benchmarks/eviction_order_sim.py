@@ -22,7 +22,7 @@ from typing import Any
 
 from spatial_sim import MIXES, _row  # type: ignore[import-not-found]
 
-from tokencake.sim import extension as sim_extension
+from tokencake.serving.kvcore.core import KVCore
 from tokencake.sim.presets import generate
 from tokencake.sim.profiles import get_profile
 from tokencake.sim.run import SYSTEMS, simulate
@@ -33,22 +33,25 @@ BIG = (
     {"preset": "stress", "agents": 1024, "turns": 10, "context_tokens": 8000, "rate": 2.0},
     None,
 )
-_demote = sim_extension.KVExtension._demote
 
 
-def _lru_for_critical(self: Any, stall: Any) -> None:
-    if stall.critical and self.critical_last:
-        return  # a critical-path chain keeps its LRU place
-    _demote(self, stall)
+class CriticalLruCore(KVCore):
+    """The ``critlru`` variant of the KV core: a critical-path chain keeps its LRU place."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        demote = self.eviction.demote
+
+        def lru_for_critical(stall: Any) -> None:
+            if not (stall.critical and self.critical_last):
+                demote(stall)
+
+        self.eviction.demote = lru_for_critical  # type: ignore[method-assign]
 
 
 def run(trace: Any, profile: Any, host: int | None, variant: str) -> Any:
-    if variant == "critlru":
-        sim_extension.KVExtension._demote = _lru_for_critical  # type: ignore[method-assign]
-    try:
-        return simulate(trace, profile, SYSTEMS["tokencake"], host_blocks=host)
-    finally:
-        sim_extension.KVExtension._demote = _demote  # type: ignore[method-assign]
+    factory = CriticalLruCore if variant == "critlru" else KVCore
+    return simulate(trace, profile, SYSTEMS["tokencake"], host_blocks=host, core_factory=factory)
 
 
 def main() -> int:

@@ -6,7 +6,8 @@ Issue 9 asks that a session's blocks be on device (or loading) when its next req
 the queue's demand) would not have uploaded the chain. This replays each stored real run's trace
 (the same apps, tools and arrivals) on the simulator's model of the host they ran on
 (``cpu-fast``) with the run's device and host blocks, logs the device at every eligible arrival
-(``KVExtension.arrival_log``), and splits the no-room arrivals by what filled the device:
+(:class:`ArrivalLogCore`, the KV core with a probe), and splits the no-room arrivals by what filled
+the device:
 
 * ``chain_exceeds_free``: the chain's missing blocks exceed every free block (evictable cached ones
   included) — no rule could have had it there without preempting a running request;
@@ -21,10 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tokencake.bench.environment import versions
+from tokencake.serving.kvcore.core import READINESS, KVCore
+from tokencake.serving.kvcore.ports import RequestView
 from tokencake.sim.presets import from_bench_point
 from tokencake.sim.profiles import get_profile
 from tokencake.sim.run import simulate
@@ -36,6 +40,59 @@ RUNS: tuple[str, ...] = (
 CAUSES: tuple[str, ...] = ("chain_exceeds_free", "running_floor", "queue_demand")
 #: The runs above ran on the faster host (``tokencake.sim.validate.FIXTURES``).
 PROFILE = "cpu-fast"
+
+
+class ArrivalLogCore(KVCore):
+    """The KV core, logging the device's state when a session's next request arrives (after the
+    core judged its readiness) and, once the request is accounted, whether it was eligible and
+    how ready it was."""
+
+    def __init__(self, *args: Any, log: list[dict[str, Any]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = log
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._account = self.readiness.account_next_turn
+        self.readiness.account_next_turn = self._account_next_turn  # type: ignore[method-assign]
+
+    def on_new_request(self, request: RequestView) -> None:
+        super().on_new_request(request)
+        req_id = request.request_id
+        info = self.requests.info.get(req_id)
+        stall = self.stalls.last.get(info.session_id) if info is not None else None
+        if info is None or stall is None or stall.accounted or self.pool is None:
+            return
+        missing = own_idle = 0
+        for h in stall.hashes:
+            block = self.pool.cached(h)
+            if block is None:
+                missing += 1
+            else:
+                own_idle += block.ref_cnt == 0
+        others = [n for r, n in self.requests.waiting.items() if r != req_id]
+        entry = {
+            "t": self.clock(),
+            "room": bool(info.room_at_arrival),
+            "chain": len(stall.hashes),
+            "missing": missing,
+            "free": self.pool.num_free() - own_idle,  # free blocks not of this chain
+            "running": self.steps.running,
+            "queued": len(others),
+            "queued_blocks": sum(others),
+            "head_blocks": others[0] if others else 0,
+            "keep_free": self.admission.keep_free(exclude=req_id),
+            "eligible": False,  # set when the request is accounted (stall longer than its lead)
+        }
+        self._entries[req_id] = entry
+        self.log.append(entry)
+
+    def _account_next_turn(self, request: RequestView, local: int, external: int) -> bool:
+        before = {k: self.stats.counter(f"readiness.{k}") for k in READINESS}
+        turn = self._account(request, local, external)
+        entry = self._entries.pop(request.request_id, None)
+        for k in READINESS:
+            if entry is not None and self.stats.counter(f"readiness.{k}") > before[k]:
+                entry.update(eligible=True, ready=k)
+        return turn
 
 
 def cause(entry: dict[str, Any]) -> str:
@@ -86,7 +143,7 @@ def replay(path: Path) -> list[dict[str, Any]]:
             "tokencake",
             device_blocks=server["device_blocks"],
             host_blocks=server.get("host_pool_blocks") or profile.host_blocks,
-            arrival_log=log,
+            core_factory=partial(ArrivalLogCore, log=log),
         )
         rows.append({"run": path.name, "point": label, **summarize(log, server["device_blocks"])})
     return rows

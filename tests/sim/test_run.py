@@ -54,3 +54,11 @@ def test_the_same_trace_on_a_gpu_profile_runs_at_scale() -> None:
     ideal = simulate(trace, small, "ideal")
     assert ideal.e2e_mean_s <= tc.e2e_mean_s <= base.e2e_mean_s
     assert tc.computed_prompt_tokens < base.computed_prompt_tokens
+
+
+def test_the_spatial_ablations_are_the_spatial_scheduler_with_one_option_changed() -> None:
+    assert SYSTEMS["spatial-order"].options == {"critical_last": False}
+    assert SYSTEMS["reserve-off"].engine_scheduling() == "spatial"
+    assert SYSTEMS["spare-late"].options == {"critical_spare_late": True}
+    assert SYSTEMS["spare-late"].engine_scheduling() == "spatial"
+    assert SYSTEMS["spatial-off"].engine_scheduling() == "priority"

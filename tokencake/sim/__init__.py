@@ -1,5 +1,5 @@
-"""``tokencake sim``: replay agent traces on a model of vLLM's engine at any scale, with the server's
-own KV policy objects (no vLLM import). See ``docs/simulation.md``."""
+"""``tokencake sim``: replay agent traces on a model of vLLM's engine at any scale, driving the
+connector's own KV core (no vLLM import). See ``docs/simulation.md``."""
 
 from tokencake.sim.profiles import PROFILES, HardwareProfile, get_profile
 from tokencake.sim.run import SYSTEMS, SimResult, simulate

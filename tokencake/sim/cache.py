@@ -7,6 +7,10 @@ so empty blocks are taken before any cached one; a request frees its blocks tail
 tail is evicted before its head;
 a prefix hit takes a reference (the block leaves the free queue). Keys are opaque hashables (the
 simulator uses ``(session or prefix group, block index)``).
+
+A block is a :class:`Block`: its id as an int (the cache indexes its tables with it) that also
+reads as the KV core's ``DeviceBlock``, one object per id, so ``by_key`` answers the core's
+prefix-cache lookups directly (``device_pool.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
-__all__ = ["EMPTY_WALK_LIMIT", "BlockCache", "CacheFull"]
+__all__ = ["EMPTY_WALK_LIMIT", "Block", "BlockCache", "CacheFull"]
 
 #: How many empty blocks at the front of the free queue ``move(front=True)`` steps over at most
 #: (the connector's ``_blockpool.EMPTY_WALK_LIMIT``).
@@ -24,6 +28,27 @@ EMPTY_WALK_LIMIT = 1024
 
 class CacheFull(RuntimeError):
     """Asked for more blocks than the free queue holds."""
+
+
+class Block(int):
+    """Block ``block_id`` of a :class:`BlockCache` (an int equal to its id)."""
+
+    block_id: int
+    cache: BlockCache
+
+    def __new__(cls, block_id: int, cache: BlockCache) -> Block:
+        block = super().__new__(cls, block_id)
+        block.block_id = block_id
+        block.cache = cache
+        return block
+
+    @property
+    def ref_cnt(self) -> int:
+        """References held on it (0: it sits in the free queue)."""
+        return self.cache.ref[self.block_id]
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt})"
 
 
 class _Order:
@@ -62,14 +87,14 @@ class BlockCache:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.key: list[Hashable | None] = [None] * num_blocks
-        self.by_key: dict[Hashable, int] = {}
-        self.free: OrderedDict[int, None] = OrderedDict()
+        #: Block id -> its one :class:`Block` object.
+        self.blocks = [Block(i, self) for i in range(num_blocks)]
+        self.by_key: dict[Hashable, Block] = {}
+        self.free: OrderedDict[Block, None] = OrderedDict()
         self.evictions = 0
-        #: The keys the latest ``allocate`` evicted (critical-inversion accounting).
-        self.last_evicted: list[Hashable] = []
         self.seq = [0] * num_blocks
         self._order = _Order(max(1 << 16, 8 * num_blocks))
-        for b in range(num_blocks):
+        for b in self.blocks:
             self._push(b, front=False)
 
     # ------------------------------------------------------------------ queries
@@ -81,10 +106,10 @@ class BlockCache:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 
-    def lookup(self, key: Hashable) -> int | None:
+    def lookup(self, key: Hashable) -> Block | None:
         return self.by_key.get(key)
 
-    def match(self, keys: Iterable[Hashable]) -> list[int]:
+    def match(self, keys: Iterable[Hashable]) -> list[Block]:
         """The cached blocks of the longest prefix of ``keys`` (a hit needs an unbroken chain)."""
         out = []
         for k in keys:
@@ -105,6 +130,7 @@ class BlockCache:
 
     # ------------------------------------------------------------------ the free queue
     def _push(self, b: int, *, front: bool) -> None:
+        b = self.blocks[b]  # the queue holds the block objects (``allocate`` hands them out)
         order = self._order
         if order.back >= order.n or order.front < 0:
             self._renumber()
@@ -134,13 +160,11 @@ class BlockCache:
         order.back, order.front = start + len(queued), start - 1
 
     # ------------------------------------------------------------------ changes
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int) -> list[Block]:
         """``n`` fresh blocks (one reference each), evicting from the front of the free queue."""
         if n > len(self.free):
             raise CacheFull(f"{n} blocks asked, {len(self.free)} free")
         out = []
-        evicted: list[Hashable] = []
-        self.last_evicted = evicted
         for _ in range(n):
             b = next(iter(self.free))
             self._pop(b)
@@ -150,7 +174,6 @@ class BlockCache:
                     del self.by_key[k]
                 self.key[b] = None
                 self.evictions += 1
-                evicted.append(k)
             self.ref[b] = 1
             out.append(b)
         return out
@@ -177,7 +200,7 @@ class BlockCache:
         if key in self.by_key or self.key[block] is not None:
             return False
         self.key[block] = key
-        self.by_key[key] = block
+        self.by_key[key] = self.blocks[block]
         return True
 
     def uncache(self, blocks: Iterable[int]) -> None:
@@ -211,6 +234,3 @@ class BlockCache:
             for b in moved:
                 self._push(b, front=False)
         return len(moved)
-
-    def reset(self) -> None:
-        self.__init__(self.num_blocks)  # type: ignore[misc]

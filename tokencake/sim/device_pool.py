@@ -1,34 +1,18 @@
 """The simulator's block cache as the KV core's :class:`~tokencake.serving.kvcore.ports.DevicePool`.
 
-The core addresses blocks as objects with a ``block_id`` and a live ``ref_cnt``; the cache keeps
-plain lists indexed by block id. One view object per block id, made once, so a block is always the
-same object (the core groups blocks by identity).
+The cache's blocks already read as the core's ``DeviceBlock`` (:class:`~tokencake.sim.cache.Block`:
+one object per id, ``block_id`` and a live ``ref_cnt``), so this adapter only maps the pool's
+operations onto the cache's; the prefix-cache lookup, the core's most frequent call (every chain
+walk), is the cache's own dict lookup.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from tokencake.sim.cache import BlockCache
+from tokencake.sim.cache import Block, BlockCache
 
-__all__ = ["SimBlock", "SimDevicePool"]
-
-
-class SimBlock:
-    """Block ``block_id`` of a :class:`BlockCache`, as the core sees it."""
-
-    __slots__ = ("block_id", "cache")
-
-    def __init__(self, cache: BlockCache, block_id: int) -> None:
-        self.cache = cache
-        self.block_id = block_id
-
-    @property
-    def ref_cnt(self) -> int:
-        return self.cache.ref[self.block_id]
-
-    def __repr__(self) -> str:
-        return f"SimBlock({self.block_id}, ref={self.ref_cnt})"
+__all__ = ["SimDevicePool"]
 
 
 class SimDevicePool:
@@ -36,48 +20,45 @@ class SimDevicePool:
 
     def __init__(self, cache: BlockCache) -> None:
         self.cache = cache
-        self._blocks = [SimBlock(cache, i) for i in range(cache.num_blocks)]
+        #: ``cached(block_hash)``: the block the prefix cache serves ``block_hash`` from, or None.
+        self.cached: Callable[[bytes], Block | None] = cache.by_key.get
 
     @property
     def num_blocks(self) -> int:
         return self.cache.num_blocks
 
-    def block(self, block_id: int) -> SimBlock:
-        return self._blocks[block_id]
-
-    def cached(self, block_hash: bytes) -> SimBlock | None:
-        b = self.cache.by_key.get(block_hash)
-        return None if b is None else self._blocks[b]
+    def block(self, block_id: int) -> Block:
+        return self.cache.blocks[block_id]
 
     def num_free(self) -> int:
         return self.cache.num_free
 
-    def is_cached(self, block: SimBlock) -> bool:
-        return self.cache.key[block.block_id] is not None
+    def is_cached(self, block: Block) -> bool:
+        return self.cache.key[block] is not None
 
-    def has_hash(self, block: SimBlock, block_hash: bytes) -> bool:
-        return self.cache.key[block.block_id] == block_hash
+    def has_hash(self, block: Block, block_hash: bytes) -> bool:
+        return self.cache.key[block] == block_hash
 
-    def is_idle_cached(self, block: SimBlock) -> bool:
-        return self.cache.is_idle_cached(block.block_id)
+    def is_idle_cached(self, block: Block) -> bool:
+        return self.cache.is_idle_cached(block)
 
-    def pin(self, blocks: Sequence[SimBlock]) -> None:
-        self.cache.touch([b.block_id for b in blocks])
+    def pin(self, blocks: Sequence[Block]) -> None:
+        self.cache.touch(blocks)
 
-    def release(self, blocks: Sequence[SimBlock]) -> None:
-        self.cache.release([b.block_id for b in reversed(blocks)])
+    def release(self, blocks: Sequence[Block]) -> None:
+        self.cache.release(list(reversed(blocks)))
 
-    def allocate(self, n: int) -> list[SimBlock]:
-        return [self._blocks[b] for b in self.cache.allocate(n)]
+    def allocate(self, n: int) -> list[Block]:
+        return self.cache.allocate(n)
 
-    def register(self, block: SimBlock, block_hash: bytes, num_tokens: int) -> bool:
-        return self.cache.cache(block.block_id, block_hash)
+    def register(self, block: Block, block_hash: bytes, num_tokens: int) -> bool:
+        return self.cache.cache(block, block_hash)
 
     def uncache(self, block_ids: Iterable[int]) -> None:
         self.cache.uncache(block_ids)
 
-    def reorder(self, blocks: Sequence[SimBlock], *, first: bool) -> int:
-        return self.cache.move([b.block_id for b in blocks], front=first)
+    def reorder(self, blocks: Sequence[Block], *, first: bool) -> int:
+        return self.cache.move(blocks, front=first)
 
     def blocks_ahead(self, block_ids: set[int], limit: int) -> int:
         ahead = self.cache.blocks_ahead(block_ids)
@@ -88,8 +69,8 @@ class SimDevicePool:
         wanted: Callable[[bytes], bool],
         n: int,
         skip: Callable[[bytes], bool] | None = None,
-    ) -> list[SimBlock]:
-        found: list[SimBlock] = []
+    ) -> list[Block]:
+        found: list[Block] = []
         others = 0
         keys = self.cache.key
         for b in self.cache.free:
@@ -99,7 +80,7 @@ class SimDevicePool:
             if k is not None and skip is not None and skip(k):  # type: ignore[arg-type]
                 continue
             if k is not None and wanted(k):  # type: ignore[arg-type]
-                found.append(self._blocks[b])
+                found.append(b)
             else:
                 others += 1
         return found

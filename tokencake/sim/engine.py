@@ -1,37 +1,45 @@
-"""The engine model: vLLM v1's continuous-batching step loop where it decides what KV costs.
+"""The engine model: vLLM v1's step loop driving the connector's KV core, in vLLM's call order.
 
-Per step, as ``vllm/v1/core/sched/scheduler.py`` does it: running requests first (a decode token
-each, or the next chunk of a prefill), preempting the latest running request by recompute when a
-block cannot be allocated; then waiting requests in FCFS order while the token budget and the
-blocks last (a request that does not fit stops the queue). A waiting request's prompt is served
-from the device prefix cache (an unbroken chain of cached blocks from block 0), then from the
-extension's host pool (a demand load), and the rest is computed. The step's time comes from the
-hardware profile; the extension (``tokencake.sim.extension``) sees the same hooks as the real
-connector: a new request, admission, the step, a finished request, copies completing.
+A step, as vLLM's ``EngineCore`` runs it:
+
+1. ``schedule`` (:mod:`tokencake.sim.scheduler`): running requests, then waiting ones, with the
+   core's admission hooks where vLLM calls the connector's; at its end the connector's
+   ``build_connector_meta``: :meth:`KVCore.observe_step` (scheduled tokens, requests scheduled,
+   requests preempted) then :meth:`KVCore.build_jobs` (the step's copy jobs);
+2. the forward, which takes the hardware profile's time, plus the copies that run inside the step
+   (:mod:`tokencake.sim.copies`);
+3. ``update_from_output``: each finished request is handed to :meth:`KVCore.request_finished`
+   before its blocks are freed (tail first), then the copies done by the step's end reach
+   :meth:`KVCore.on_worker_meta`.
+
+An engine with nothing to schedule steps only when the core wants it (its wake-up call after an
+event, ``has_pending_work``, ``next_wake_at``) or a side-stream copy finishes: such a step
+schedules nothing and lasts only as long as the copies it runs. Stall begin and end reach the core
+as :class:`~tokencake.events.StallBegin` / :class:`~tokencake.events.StallEnd` through
+``handle_event`` on the engine's clock, as the events listener delivers them.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from functools import cached_property
+from typing import Any
 
-from tokencake.events import GraphMeta, RequestMeta
+from tokencake.events import GraphMeta, NextStall, RequestMeta, StallBegin, StallEnd
+from tokencake.serving.kvcore.core import KVCore
+from tokencake.serving.options import Options
 from tokencake.serving.spatial import SpatialScorer, admission_weights
 from tokencake.sim.cache import BlockCache
+from tokencake.sim.copies import CopyEngine
+from tokencake.sim.device_pool import SimDevicePool
+from tokencake.sim.kv import CoreFactory, build_core
 from tokencake.sim.profiles import HardwareProfile
-
-if TYPE_CHECKING:
-    from tokencake.sim.extension import KVExtension
+from tokencake.sim.scheduler import Scheduler, TokenCakeScheduler
 
 __all__ = ["SCHEDULINGS", "Engine", "Request", "Session"]
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass
+@dataclass(eq=False)
 class Session:
     """One agent's growing conversation; block ``i`` has a stable key (shared-prefix blocks: the group's)."""
 
@@ -40,6 +48,10 @@ class Session:
     block_size: int
     prefix_group: str | None = None
     prefix_tokens: int = 0
+    #: Its app and node (the stall events name them; "" = a plain session, which sends none).
+    run_id: str = ""
+    node: str = ""
+    _keys: list[bytes] = field(default_factory=list, init=False, repr=False)
 
     def key(self, i: int) -> bytes:
         """Block ``i``'s prefix key (bytes, like vLLM's block hashes: the host pool indexes them)."""
@@ -48,11 +60,17 @@ class Session:
         return f"{self.session_id}\x00{i}".encode()
 
     def keys(self, n: int, start: int = 0) -> list[bytes]:
-        return [self.key(i) for i in range(start, n)]
+        """The keys of blocks ``start..n-1`` (made once, kept)."""
+        keys = self._keys
+        for i in range(len(keys), n):
+            keys.append(self.key(i))
+        return keys[start:n]
 
 
 @dataclass(eq=False)
 class Request:
+    """One LLM call. It reads as the core's ``RequestView`` (the attributes vLLM's ``Request`` has)."""
+
     rid: int
     session: Session
     prompt_tokens: int
@@ -60,7 +78,7 @@ class Request:
     arrival: float
     #: The tool the agent calls after this reply (``next_stall``): (tool, hint seconds).
     next_tool: tuple[str, float] | None = None
-    #: vLLM ``priority`` (lower first; used under ``scheduling="priority"``).
+    #: vLLM ``priority`` (lower first): 0 on the app's critical path, else its slack in seconds.
     priority: int = 0
     num_computed: int = 0
     generated: int = 0
@@ -74,13 +92,7 @@ class Request:
     local_tokens: int = 0
     host_tokens: int = 0
     computed_prompt_tokens: int = 0
-    #: The first time the scheduler looked at it (the connector's "arrival" in the queue).
-    seen_at: float | None = None
-    #: Blocks it counts for in the queue's demand while it waits (0 when not queued).
-    queued_blocks: int = 0
-    #: It waited at least one step for the critical reserve.
-    reserve_waited: bool = False
-    #: Its app (the spatial score's app age); "" = a plain request.
+    #: Its app (the spatial score's app age; the metadata's ``run_id``); "" = a plain request.
     run_id: str = ""
     #: Its place in the waiting queue (lowest first), set when queued.
     queue_key: tuple[float, float, int] = (0.0, 0.0, 0)
@@ -94,6 +106,56 @@ class Request:
     def prefilling(self) -> bool:
         return self.num_computed < self.total_tokens - (1 if self.generated else 0)
 
+    @cached_property
+    def meta(self) -> RequestMeta | None:
+        """What the SDK sends with it (None for a plain request): its session, app and node, the
+        announced tool, and its place in the DAG as a trace knows it — on the critical path when
+        its priority is 0, else its priority as seconds of slack."""
+        if not self.run_id:
+            return None
+        nxt = None
+        if self.next_tool is not None:
+            nxt = NextStall(tool=self.next_tool[0], predicted_s=self.next_tool[1] or None)
+        return RequestMeta(
+            session_id=self.session.session_id,
+            run_id=self.run_id,
+            node=self.session.node,
+            agent_type=self.session.agent_type,
+            graph=GraphMeta(on_critical_path=self.priority == 0, slack_s=float(self.priority)),
+            next_stall=nxt,
+        )
+
+    # ---- RequestView
+    @property
+    def request_id(self) -> str:
+        return str(self.rid)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.total_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.generated
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.num_computed
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """The session's keys of the full blocks of ``num_tokens``."""
+        return self.session.keys(self.total_tokens // self.session.block_size)
+
+    @cached_property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        meta = self.meta
+        return None if meta is None else {"tokencake": meta.model_dump()}
+
 
 #: Admission orders the engine models (``Engine(scheduling=...)``).
 SCHEDULINGS: tuple[str, ...] = ("fcfs", "priority", "spatial")
@@ -105,85 +167,165 @@ class Engine:
         profile: HardwareProfile,
         *,
         device_blocks: int | None = None,
-        extension: KVExtension | None = None,
+        options: Options | None = None,
+        host_blocks: int | None = None,
         scheduling: str = "fcfs",
+        core_factory: CoreFactory = KVCore,
+        copies: CopyEngine | None = None,
     ) -> None:
-        """``scheduling``: ``fcfs`` (vLLM's default), ``priority`` (``--scheduling-policy
-        priority``: the queue by (priority, arrival), the preemption victim the lowest priority) or
-        ``spatial`` (TokenCake's spatial scheduler: the queue by the spatial score, the victim as
-        under ``priority``; ``docs/simulation.md`` §2 says what of it is modelled)."""
+        """``options``: the connector's (None: stock vLLM, no connector). ``scheduling``: ``fcfs``
+        (vLLM's default), ``priority`` (``--scheduling-policy priority``: the queue by
+        (priority, arrival), the victim the lowest priority) or ``spatial`` (TokenCake's
+        ``--scheduler-cls``: the queue by the spatial score, the victim as under ``priority``,
+        and the core's critical-last eviction side unless ``Options.critical_last`` is off)."""
         if scheduling not in SCHEDULINGS:
             raise ValueError(f"scheduling must be one of {', '.join(SCHEDULINGS)}, got {scheduling!r}")
         self.scheduling = scheduling
-        self.scorer = SpatialScorer()
         self.profile = profile
         self.block_size = profile.block_size
         self.cache = BlockCache(device_blocks or profile.device_blocks)
-        self.ext = extension
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.now = 0.0
+        self.core: KVCore | None = None
+        if options is not None:
+            self.core = build_core(
+                profile,
+                options,
+                host_blocks=profile.host_blocks if host_blocks is None else host_blocks,
+                clock=lambda: self.now,
+                critical_last=scheduling == "spatial" and options.critical_last,
+                factory=core_factory,
+            )
+            self.core.bind_pool(SimDevicePool(self.cache))
+            self.core.set_wake(self._wake)
+        self.copies = copies if copies is not None else CopyEngine(profile)
+        core = self.core
+        # The admission order is the KV policy's (Continuum's differs), as the connector's.
+        admission = (core.opts.admission or core.policy.admission) if core is not None else None
+        self.scorer = SpatialScorer(admission_weights(admission))
+        if scheduling == "spatial":
+            self.scheduler: Scheduler = TokenCakeScheduler(
+                profile, self.cache, core, scorer=self.scorer, clock=lambda: self.now
+            )
+        else:
+            self.scheduler = Scheduler(profile, self.cache, core, policy=scheduling)
         self.steps = 0
         self.busy_s = 0.0
-        self.preemptions = 0
         self.prompt_tokens = 0
-        self.computed_prompt_tokens = 0
-        self.local_hit_tokens = 0
-        self.host_hit_tokens = 0
-        self.scheduled_tokens: deque[tuple[float, int]] = deque()
-        self.step_durations: deque[float] = deque(maxlen=64)
-        self._wb = 0
-        self._scheduled_sum = 0
-        if extension is not None:
-            extension.bind(self)
-            # The spatial scheduler's eviction side goes with its admission order (as the
-            # connector's ``critical_last``, unless the options keep the order only).
-            extension.critical_last = scheduling == "spatial" and extension.opts.critical_last
-            # ...and its admission order is the KV policy's (Continuum's differs), as the connector's.
-            self.scorer = SpatialScorer(
-                admission_weights(extension.opts.admission or extension.policy.admission)
-            )
+        #: The core asked for a step (an event arrived, or work is pending after the last step).
+        self._woken = False
 
-    # ------------------------------------------------------------------ requests
+    # ------------------------------------------------------------------ what the run reads
+    @property
+    def waiting(self) -> Any:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return self.scheduler.computed_prompt_tokens
+
+    @property
+    def local_hit_tokens(self) -> int:
+        return self.scheduler.local_hit_tokens
+
+    @property
+    def host_hit_tokens(self) -> int:
+        return self.scheduler.host_hit_tokens
+
+    # ------------------------------------------------------------------ requests and events
     def submit(self, req: Request) -> None:
-        self._enqueue(req)
+        """vLLM's ``add_request``: the request joins the waiting queue, then the connector sees it."""
         self.prompt_tokens += req.prompt_tokens
-        if self.ext is not None:
-            self.ext.on_new_request(req)
+        self.scheduler.enqueue(req)
+        if self.core is not None:
+            self.core.on_new_request(req)
+
+    def stall_begin(self, session: Session, stall_id: str, tool: str, hint_s: float) -> None:
+        """The session's tool call starts (``stall_begin``; plain sessions send none)."""
+        if self.core is None or not session.run_id:
+            return
+        self.core.handle_event(
+            StallBegin(
+                stall_id=stall_id,
+                session_id=session.session_id,
+                run_id=session.run_id,
+                node=session.node or session.session_id,
+                agent_type=session.agent_type,
+                tool=tool,
+                predicted_s=hint_s or None,
+                ts=self.now,
+            )
+        )
+
+    def stall_end(self, session: Session, stall_id: str, tool: str, duration_s: float) -> None:
+        """The tool call returned (``stall_end``)."""
+        if self.core is None or not session.run_id:
+            return
+        self.core.handle_event(
+            StallEnd(
+                stall_id=stall_id,
+                session_id=session.session_id,
+                run_id=session.run_id,
+                node=session.node or session.session_id,
+                tool=tool,
+                duration_s=duration_s,
+                ts=self.now,
+            )
+        )
+
+    def _wake(self) -> None:
+        self._woken = True
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def next_wake(self) -> float | None:
+        """When an engine with nothing to schedule next steps (None: not until a request comes):
+        at once when the core asked, at the core's ``next_wake_at``, or when a copy finishes."""
+        if self.core is None:
+            return None
+        if self._woken:
+            return self.now
+        times = [t for t in (self.core.next_wake_at(), self.copies.next_done_at()) if t is not None]
+        return max(min(times), self.now) if times else None
+
     def idle_until(self, t: float) -> None:
-        """Nothing to compute: time passes (the extension still acts: wake-ups, prefetches)."""
+        """Nothing to compute until ``t``: time passes, then the engine steps for the core."""
         self.now = max(self.now, t)
-        if self.ext is not None:
-            self.ext.tick(self.now)
-            self.ext.after_step(self.now, 0.0)
+        if self.core is not None:
+            self.step()
+
+    def reset_prefix_cache(self) -> bool:
+        """The scheduler's prefix-cache reset (the connector is told)."""
+        return self.scheduler.reset_prefix_cache(reset_connector=True)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
         """Schedule, run one forward, and return the requests that finished in it."""
-        now = self.now
-        scheduled, loads = self._schedule(now)
-        if self.ext is not None:
-            self.ext.tick(now)
-        dt = self._step_time(scheduled)
-        sync_copy = self.ext.step_copy_s(loads) if self.ext is not None else 0.0
-        dt += sync_copy
+        now, core = self.now, self.core
+        self._woken = False
+        plan = self.scheduler.schedule(now)
+        jobs = []
+        if core is not None:
+            preempted = [r.request_id for r in plan.preempted]
+            core.observe_step(plan.tokens, num_running=len(plan.scheduled), preempted=preempted)
+            jobs = core.build_jobs()
+        dt = self.copies.submit(jobs, now)
+        if plan.scheduled or self.has_work():
+            dt += self._step_time(plan.scheduled)
+            self.steps += 1
+            self.busy_s += dt
         self.now = now + dt
-        self.steps += 1
-        self.busy_s += dt
-        self.step_durations.append(dt)
-        tokens = sum(n for _r, n in scheduled)
-        self.scheduled_tokens.append((now, tokens))
-        self._scheduled_sum += tokens
-        while self.scheduled_tokens and now - self.scheduled_tokens[0][0] > 10.0:
-            self._scheduled_sum -= self.scheduled_tokens.popleft()[1]
         finished = []
-        for req, n in scheduled:
+        for req, n in plan.scheduled:
             req.num_computed += n
-            self._cache_full_blocks(req)
             if req.num_computed >= req.total_tokens - (1 if req.generated else 0):
                 # The step that completes the prefill samples the first token; each decode step one.
                 req.generated += 1
@@ -191,27 +333,29 @@ class Engine:
                     req.first_token_at = self.now
                 if req.generated >= req.output_tokens:
                     finished.append(req)
-        if self.ext is not None:
-            self.ext.after_step(self.now, dt)
+        self._update_from_output(finished)
+        return finished
+
+    def _update_from_output(self, finished: list[Request]) -> None:
+        """vLLM's ``update_from_output``: finished requests leave (the connector sees each before
+        its blocks are freed, the tail first), then the copies done by now are reported."""
+        core = self.core
         for req in finished:
             req.finished_at = self.now
             self.running.remove(req)
-            if self.ext is not None:
-                self.ext.on_finished(req)
-            self.cache.release(list(reversed(req.blocks)))  # the tail goes first
+            if core is not None:
+                core.request_finished(req)
+            self.cache.release(list(reversed(req.blocks)))
             req.blocks = []
-        return finished
-
-    def _cache_full_blocks(self, req: Request) -> None:
-        full = min(req.num_computed, req.prompt_tokens + req.output_tokens) // self.block_size
-        for i in range(req.cached_upto, min(full, len(req.blocks))):
-            self.cache.cache(req.blocks[i], req.session.key(i))
-        req.cached_upto = max(req.cached_upto, min(full, len(req.blocks)))
-
-    def mean_step_s(self, last: int = 64) -> float:
-        """Mean duration of the last ``last`` steps (0 before the first)."""
-        recent = list(self.step_durations)[-last:]
-        return sum(recent) / len(recent) if recent else 0.0
+        if core is None:
+            return
+        report = self.copies.report(self.now)
+        if report is not None:
+            core.on_worker_meta(report)
+        # Work planned with nothing left to copy (an early save at a finish, a due prefetch): an
+        # idle vLLM engine steps again at once for it (``has_pending_push_work``).
+        if not self.has_work() and not self.copies.busy and core.has_pending_work():
+            self._woken = True
 
     def _step_time(self, scheduled: list[tuple[Request, int]]) -> float:
         p = self.profile
@@ -232,174 +376,3 @@ class Engine:
             + p.decode_s_per_seq * decode
             + p.decode_s_per_ctx_token * decode_ctx
         )
-
-    # ------------------------------------------------------------------ scheduler
-    def _schedule(self, now: float) -> tuple[list[tuple[Request, int]], int]:
-        budget = self.profile.max_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        preempted = short = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.total_tokens - req.num_computed, budget) if req.prefilling else 1
-            need = cdiv(req.num_computed + n, self.block_size) - len(req.blocks)
-            ok = True
-            while need > self.cache.num_free:
-                if self.ext is not None and self.ext.free_for_running():
-                    # vLLM's ``has_pending_block_frees``: held chains gave blocks back; this
-                    # request (and the rest of the pass) waits a step instead of a preemption.
-                    short, ok = True, False
-                    break
-                victim = self._victim()
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    ok = False
-                    break
-            if not ok:
-                break
-            if need > 0:
-                req.blocks += self.cache.allocate(need)
-            scheduled.append((req, n))
-            budget -= n
-            i += 1
-        loads = 0
-        if preempted or short:
-            return scheduled, loads
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
-            req = self.waiting[0]
-            if req.seen_at is None:
-                req.seen_at = now
-            total = req.total_tokens
-            limit = (total - 1) // self.block_size  # leave one token to compute
-            hit = self.cache.match(req.session.keys(limit))
-            host: list[Any] = []
-            if self.ext is not None:
-                found = self.ext.host_match(req, len(hit), limit)
-                if found is None:  # its session's prefetch is being copied: ask again next step
-                    skipped.append(self._dequeue())
-                    continue
-                host = found
-            computed = (len(hit) + len(host)) * self.block_size
-            n = min(total - computed, budget)
-            want = cdiv(computed + n, self.block_size) - len(hit)
-            need = want + sum(1 for b in hit if self.cache.ref[b] == 0)
-            if self.ext is not None and self.ext.make_room(req, need):
-                # It would fit only with the critical reserve lent, or in room kept for a return.
-                skipped.append(self._dequeue())
-                continue
-            if need > self.cache.num_free:
-                break
-            if self.ext is not None and self.ext.spare_critical_chains(req, need, hit):
-                skipped.append(self._dequeue())  # it waits a step for the critical reserve
-                continue
-            self._dequeue()
-            self.scorer.admitted(self._meta(req), request_id=str(req.rid), waited_s=now - req.arrival)
-            self.cache.touch(hit)
-            req.blocks = hit + self.cache.allocate(want)
-            if self.ext is not None and self.cache.last_evicted:
-                self.ext.on_allocated(req, self.cache.last_evicted)
-            req.num_computed = computed
-            req.cached_upto = len(hit)
-            if req.admitted_at is None:
-                req.admitted_at = now
-                req.local_tokens = len(hit) * self.block_size
-                req.host_tokens = len(host) * self.block_size
-                req.computed_prompt_tokens = max(req.prompt_tokens - computed, 0)
-                self.local_hit_tokens += req.local_tokens
-                self.host_hit_tokens += req.host_tokens
-            self.computed_prompt_tokens += max(total - computed, 0)
-            if host and self.ext is not None:
-                self.ext.load(req, len(hit), host)
-                loads += len(host)
-                self._cache_full_blocks(req)  # loaded blocks hold their KV once the step's load ran
-            if self.ext is not None:
-                self.ext.on_admitted(req, len(hit), len(host))
-            self.running.append(req)
-            scheduled.append((req, n))
-            budget -= n
-        for req in reversed(skipped):
-            self._enqueue(req, front=True)
-        return scheduled, loads
-
-    def _victim(self) -> Request:
-        """FCFS: the latest running request; priority (and spatial, which keeps vLLM's victim
-        choice): the lowest priority, then the latest."""
-        if self.scheduling != "fcfs":
-            return max(self.running, key=lambda r: (r.priority, r.arrival, r.rid))
-        return self.running[-1]
-
-    def _preempt(self, req: Request) -> None:
-        """vLLM's preemption by recompute: the blocks go, the request waits at the queue's head."""
-        self.running.remove(req)
-        self.cache.release(list(reversed(req.blocks)))
-        req.blocks = []
-        req.num_computed = 0
-        req.cached_upto = 0
-        req.preemptions += 1
-        self.preemptions += 1
-        self._enqueue(req, front=True)
-
-    # ------------------------------------------------------------------ what the extension reads
-    def alloc_rate(self) -> float:
-        """Blocks allocated per second over the last 10 s (scheduled tokens / block size)."""
-        if len(self.scheduled_tokens) < 2:
-            return 0.0
-        span = max(self.now - self.scheduled_tokens[0][0], 1e-6)
-        return self._scheduled_sum / self.block_size / span
-
-    def step_wait_s(self) -> float:
-        total = sum(self.step_durations)
-        return sum(d * d for d in self.step_durations) / (2 * total) if total > 0 else 0.0
-
-    def waiting_blocks(self, exclude: Request | None = None) -> int:
-        """Blocks the queued requests need (the connector's ``_waiting`` sum), kept incrementally."""
-        if exclude is not None and exclude.queued_blocks:
-            return self._wb - exclude.queued_blocks
-        return self._wb
-
-    def _enqueue(self, req: Request, *, front: bool = False) -> None:
-        req.queued_blocks = cdiv(req.total_tokens, self.block_size)
-        self._wb += req.queued_blocks
-        if self.scheduling != "fcfs":
-            req.queue_key = key = self._queue_key(req)
-            i = len(self.waiting)
-            while i > 0 and self.waiting[i - 1].queue_key > key:
-                i -= 1
-            self.waiting.insert(i, req)
-        elif front:
-            self.waiting.appendleft(req)
-        else:
-            self.waiting.append(req)
-
-    def _queue_key(self, req: Request) -> tuple[float, float, int]:
-        """priority: (priority, arrival); spatial: the score's order key (``spatial.order_key``) from
-        what a trace knows of the node — on the critical path when its priority is 0, else its
-        priority as seconds of slack — its app, its preemptions and whether its chain is held on
-        device or saved on host."""
-        if self.scheduling == "priority":
-            return (float(req.priority), req.arrival, req.rid)
-        meta = self._meta(req)
-        sid = req.session.session_id
-        held = self.ext is not None and self.ext.holds_kv(sid)
-        saved = not held and self.ext is not None and self.ext.saved_kv(sid)
-        key = self.scorer.order_key(
-            meta, arrival=req.arrival, preemptions=req.preemptions, now=self.now, retained=held, saved=saved
-        )
-        return (key, req.arrival, req.rid)
-
-    @staticmethod
-    def _meta(req: Request) -> RequestMeta | None:
-        """What a trace knows of the request's node: on the critical path when its priority is 0,
-        else its priority as seconds of slack; None for a plain request."""
-        if not req.run_id:
-            return None
-        graph = GraphMeta(on_critical_path=req.priority == 0, slack_s=float(req.priority))
-        return RequestMeta(session_id=req.session.session_id, run_id=req.run_id, node="", graph=graph)
-
-    def _dequeue(self) -> Request:
-        req = self.waiting.popleft()
-        self._wb -= req.queued_blocks
-        req.queued_blocks = 0
-        return req

@@ -4,7 +4,8 @@ Each app arrives at its ``arrival_s``; a node starts when the nodes it waits for
 steps run in order: an LLM call is submitted to the engine and the node waits for it to finish
 (the call announces the tool that follows, as the SDK's ``next_stall`` does); a tool call sends
 ``stall_begin``, lasts ``actual_s`` and sends ``stall_end``; a delay just passes. The engine steps
-while it has work; when idle, time jumps to the next agent event or extension wake-up.
+while it has work; when idle, time jumps to the next agent event or to when the KV core wants a
+step (``Engine.next_wake``).
 
 ``SYSTEMS`` are the bench's systems the simulator models (``tokencake.bench.systems``): ``baseline``
 (stock vLLM), ``ideal`` (stock vLLM with KV for everything), every KV policy in the extension
@@ -23,15 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokencake.bench.systems import ALL_SYSTEMS, SystemSpec
+from tokencake.serving.kvcore.core import KVCore
 from tokencake.serving.options import Options
 from tokencake.sim.engine import Engine, Request, Session
-from tokencake.sim.extension import KVExtension
+from tokencake.sim.kv import CoreFactory, summary
 from tokencake.sim.profiles import HardwareProfile
 from tokencake.sim.trace import AppTrace, DelayStep, LLMStep, NodeTrace, ToolStep, Trace
 
 __all__ = ["SYSTEMS", "SimResult", "simulate"]
 
-#: Shortest idle wait: the granularity at which an idle engine looks at the extension's timers.
+#: Shortest idle wait: the granularity at which an idle engine steps for the KV core.
 IDLE_TICK_S = 0.01
 
 
@@ -117,24 +119,27 @@ def simulate(
     device_blocks: int | None = None,
     host_blocks: int | None = None,
     max_sim_s: float = 1e7,
-    arrival_log: list[dict[str, Any]] | None = None,
+    core_factory: CoreFactory = KVCore,
 ) -> SimResult:
     """Replay ``trace`` on ``profile`` with ``system``; deterministic (no randomness in the model).
 
-    ``arrival_log``: a list to which the extension appends the device's state at each session's
-    next-turn arrival (``KVExtension.arrival_log``)."""
+    ``core_factory`` builds the system's KV core (a benchmark passes a ``KVCore`` subclass to
+    probe or vary it)."""
     started = time.perf_counter()
     spec = SYSTEMS[system] if isinstance(system, str) else system
     blocks = device_blocks or profile.device_blocks
     if spec.kv == "ideal":
         blocks = max(blocks, ideal_blocks(trace, profile.block_size))
     hosts = profile.host_blocks if host_blocks is None else host_blocks
-    ext = None
-    if spec.policy is not None:
-        ext = KVExtension(Options(policy=spec.policy, **spec.options), host_blocks=hosts)
-    engine = Engine(profile, device_blocks=blocks, extension=ext, scheduling=spec.engine_scheduling())
-    if ext is not None:
-        ext.arrival_log = arrival_log  # after ``bind``, which resets the extension's run state
+    options = Options(policy=spec.policy, **spec.options) if spec.policy is not None else None
+    engine = Engine(
+        profile,
+        device_blocks=blocks,
+        options=options,
+        host_blocks=hosts,
+        scheduling=spec.engine_scheduling(),
+        core_factory=core_factory,
+    )
     loop = _Loop(engine, profile)
     for app in trace.apps:
         loop.at(app.arrival_s, lambda a=app: loop.start_app(a))
@@ -148,7 +153,7 @@ def simulate(
         system=spec.name,
         profile=profile.name,
         device_blocks=blocks,
-        host_blocks=hosts if ext is not None else 0,
+        host_blocks=hosts if engine.core is not None else 0,
         apps=len(trace.apps),
         app_e2e_s=[loop.e2e[a.run_id] for a in trace.apps if a.run_id in loop.e2e],
         llm_calls=len(loop.requests),
@@ -159,7 +164,7 @@ def simulate(
         host_hit_tokens=engine.host_hit_tokens,
         preemptions=engine.preemptions,
         ttft_mean_s=statistics.fmean(ttft) if ttft else float("nan"),
-        extension=ext.summary() if ext is not None else None,
+        extension=summary(engine.core) if engine.core is not None else None,
         wall_s=time.perf_counter() - started,
         queue_wait_critical_mean_s=statistics.fmean(waits[True]) if waits[True] else float("nan"),
         queue_wait_noncritical_mean_s=statistics.fmean(waits[False]) if waits[False] else float("nan"),
@@ -196,12 +201,12 @@ class _Loop:
                     self._event_time = engine.now
                     self._advance(gen)
             else:
-                wake = engine.ext.next_wake() if engine.ext is not None else None
+                wake = engine.next_wake()
                 nxt = self._heap[0][0] if self._heap else None
                 if nxt is None and wake is None:
                     return
                 target = min(t for t in (nxt, wake) if t is not None)
-                # The real connector wakes an idle engine for its own work; never stand still.
+                # The connector wakes an idle engine for its own work; never stand still.
                 engine.idle_until(max(target, engine.now + IDLE_TICK_S))
             if engine.now > max_sim_s:
                 raise RuntimeError(f"simulation passed {max_sim_s} s of simulated time; is the trace sane?")
@@ -220,6 +225,8 @@ class _Loop:
             self.profile.block_size,
             node.prefix_group,
             node.prefix_tokens,
+            run_id=state.app.run_id,
+            node=node.name,
         )
         steps = node.steps
         for i, step in enumerate(steps):
@@ -245,14 +252,11 @@ class _Loop:
                 yield
             elif isinstance(step, ToolStep):
                 stall_id = f"st{next(self._stall_ids)}"
-                ext = self.engine.ext
-                if ext is not None:
-                    ext.stall_begin(session, stall_id, step.tool, step.predicted_s)
+                self.engine.stall_begin(session, stall_id, step.tool, step.predicted_s)
                 end = self._event_time + step.actual_s
 
-                def finish_tool(sid: str = stall_id, d: float = step.actual_s) -> None:
-                    if self.engine.ext is not None:
-                        self.engine.ext.stall_end(sid, d)
+                def finish_tool(sid: str = stall_id, tool: str = step.tool, d: float = step.actual_s) -> None:
+                    self.engine.stall_end(session, sid, tool, d)
 
                 self.at(end, self._resume_later(before=finish_tool))
                 yield

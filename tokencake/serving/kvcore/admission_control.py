@@ -258,13 +258,19 @@ class AdmissionControl:
             return True
         if self.core.holds.running_short and self._hold_back(req_id, "running"):
             self.core.stats.inc("hold.admission_waits_for_running")
+            if self.core.decisions is not None:
+                self.core.note("wait", req=req_id, why="running")
             return False
         info = self.core.requests.info.get(req_id)
         if info is not None:
             self.core.lifecycle.drain(self.core.clock())  # queued stall transitions may change what is held
             if self.core.demand.waits_for_prefetch(info, count=False):
                 return True
-        return not self.make_room(request, self.core.demand.local_hits(request), enforce=True)
+        if self.make_room(request, self.core.demand.local_hits(request), enforce=True):
+            if self.core.decisions is not None:
+                self.core.note("wait", req=req_id, why="room")
+            return False
+        return True
 
     def _hold_back(self, req_id: str, reason: str) -> bool:
         """Whether the request may wait this pass for ``reason``: until ``admission_wait_s``

@@ -71,6 +71,11 @@ class CopyJobs:
         )
         self.next_job += 1
         self.jobs[job.job_id] = job
+        if self.core.decisions is not None:
+            ids = [b.block_id for b in blocks]
+            self.core.note(
+                "job", kind=kind, job=job.job_id, hashes=hashes, blocks=ids, slots=job.slots, req=req_id
+            )
         return job
 
     def flush(self) -> list[CopyJob]:
@@ -143,6 +148,9 @@ class CopyJobs:
 
     def _complete(self, job: Job, *, ok: bool, seconds: float, error: str | None) -> None:
         self.jobs.pop(job.job_id, None)
+        if self.core.decisions is not None:
+            stale = job.generation != self.generation
+            self.core.note("complete", kind=job.kind, job=job.job_id, ok=ok, stale=stale)
         nbytes = len(job.slots) * self.core.block_bytes
         kind = job.kind
         if ok:
@@ -185,6 +193,8 @@ class CopyJobs:
             suspect = self.suspect.get(block.block_id, -1) > job.job_id
             if ok and self.core.pool.has_hash(block, h) and not suspect:
                 used = self.core.host.commit(h, slot)
+                if self.core.decisions is not None:
+                    self.core.note("commit", job=job.job_id, hash=h, slot=used)
                 if stall is not None and stall.offloaded:
                     self.core.host.pin(used, stall_owner(stall.stall_id))
                 elif job.stall_id is None and job.session_id and self.core.policy.uses_events:
@@ -225,6 +235,8 @@ class CopyJobs:
                     self.core.stats.inc("prefetch.duplicate_blocks")
         if stall is not None:
             stall.prefetched.extend(published)
+        if self.core.decisions is not None:
+            self.core.note("publish", job=job.job_id, hashes=published)
         if job.stall_id is not None:
             if ok:
                 self.core.planner.mark_done(job.stall_id)
@@ -277,6 +289,8 @@ class CopyJobs:
                 marked.append(block.block_id)
         for bid in marked:
             self.suspect[bid] = self.next_job
+        if self.core.decisions is not None:
+            self.core.note("suspect", req=req_id, blocks=marked)
         if marked:
             self.core.pool.uncache(marked)
             self.core.stats.inc("demand_load.uncached_blocks", len(marked))
@@ -318,6 +332,8 @@ class CopyJobs:
             if job.abandoned or now - job.issued_at < self.core.opts.job_timeout_s:
                 continue
             job.abandoned = True
+            if self.core.decisions is not None:
+                self.core.note("timeout", job=job.job_id)
             self.core.stats.inc("jobs.timed_out")
             age = now - job.issued_at
             log.warning("TokenCake %s job %d unconfirmed after %.0f s", job.kind, job.job_id, age)

@@ -97,6 +97,11 @@ class KVCore:
     #: TokenCake's scheduler applies :meth:`admit` in vLLM's admission loop
     #: (:meth:`enable_admission_control`); off, nothing holds an admission back (see :meth:`admit`).
     admission_control: bool = False
+    #: The decision recorder (off: None): set to a list and every decision is appended to it in
+    #: order as ``{"t": clock, "what": ..., <fields>}`` — copy jobs planned, holds and their
+    #: release, admission waits, completions, commits, publishes, suspect marks, timeouts, resets.
+    #: Tests compare the backends' logs with it (``tests/sim/test_parity.py``).
+    decisions: list[dict[str, Any]] | None = None
 
     def __init__(
         self,
@@ -193,6 +198,11 @@ class KVCore:
         self.stats.register("profile", self.profile.stats)
         self.stats.register("engine", partial(engine_stats, self))
         self.stats.register("config", partial(config_stats, self))
+
+    def note(self, what: str, **fields: Any) -> None:
+        """Record one decision (callers check ``decisions is not None`` first: nothing when off)."""
+        assert self.decisions is not None
+        self.decisions.append({"t": self.clock(), "what": what, **fields})
 
     def bind_pool(self, pool: DevicePool) -> None:
         self.pool = pool
@@ -345,6 +355,8 @@ class KVCore:
 
     def reset_cache(self) -> bool:
         """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
+        if self.decisions is not None:
+            self.note("reset")
         self.copies.generation += 1
         self.demand.copied.clear()
         self.copies.suspect.clear()  # no hash survives the reset

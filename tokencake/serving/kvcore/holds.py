@@ -59,6 +59,9 @@ class Holds:
             return
         if blocks:
             self.core.pool.pin(blocks)
+        if self.core.decisions is not None:
+            ids = [b.block_id for b in blocks]
+            self.core.note("hold", kind=kind, session=session_id, blocks=ids, until=until)
         if held is not None:
             held.blocks.extend(blocks)
             held.until = max(held.until, until)
@@ -79,6 +82,8 @@ class Holds:
         held = self.kept.pop(session_id, None)
         if held is None:
             return
+        if self.core.decisions is not None:
+            self.core.note("release", kind=held.kind, session=session_id, why=why)
         if self.core.pool is not None:
             self.core.pool.release(held.blocks)
         self.core.stats.inc(f"{held.kind}.released.{why}")

@@ -171,6 +171,8 @@ class RequestBook:
             self.core.lifecycle.drain(self.core.clock())
             if self.core.demand.waits_for_prefetch(info, count=True):
                 self.core.stats.inc("admission.held_back.prefetch")
+                if self.core.decisions is not None:
+                    self.core.note("wait", req=req_id, why="prefetch")
                 return None
         if (
             (info is None or not info.critical)
