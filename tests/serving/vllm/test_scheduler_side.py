@@ -469,6 +469,42 @@ def test_a_later_chunk_computed_before_a_load_failure_was_known_is_not_committed
     assert_no_pins(pool)
 
 
+def test_a_hit_on_a_load_in_flight_waits_only_until_the_bound_then_leaves_the_prefix_cache(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """A request whose device prefix hit includes blocks of a demand load not confirmed yet waits
+    ("not yet"), each pass counted; a load unconfirmed ``prefetch_wait_s`` after it was issued is
+    not waited for longer: its blocks leave the prefix cache (the loading request keeps them),
+    so the request computes or loads the prefix itself — it is never served KV the load may
+    not have written. A hit that does not reach the load's blocks never waits."""
+    side = make_side(pool, clock, prefetch=False)
+    shared, own = chain("p", 3), chain("b", 1)
+    req, blocks = b_matches_the_shared_prefix_on_host(side, pool, shared, own, admitted=4)
+    side.update_state_after_alloc(req, [b.block_id for b in blocks], 3 * BS)
+    (load,) = side.build_meta().jobs
+    other = request("rc", [*shared, *chain("c", 1)], 4 * BS + 2, session=None)
+    side.on_new_request(other)
+    assert ask(side, other, 3 * BS) is None
+    clock.t += side.opts.prefetch_wait_s / 2
+    assert ask(side, other, 3 * BS) is None
+    assert side.stats.counter("admission.held_back.load_in_flight") == 2
+    unrelated = request("rd", chain("d", 2), 2 * BS + 2, session=None)
+    side.on_new_request(unrelated)
+    assert ask(side, unrelated, 0) == 0
+    clock.t += side.opts.prefetch_wait_s
+    assert ask(side, other, 3 * BS) is None  # vLLM's lookup of this pass found them still cached
+    assert side.stats.counter("admission.past_bound.load_in_flight") == 1
+    assert all(bp.cached_block(pool, h) is None for h in shared)
+    assert all(b.ref_cnt == 1 for b in blocks) and not side.demand.loading
+    assert ask(side, other, 0) == 3 * BS  # no device hit now: its own load of the host copies
+    answer(side, TokenCakeMetadata([load]))
+    assert not side.copies.jobs and side.stats.counter("admission.held_back.load_in_flight") == 2
+    req.num_computed_tokens = 4 * BS + 2
+    side.request_finished(req)
+    bp.release(pool, blocks)
+    assert_no_pins(pool)
+
+
 def test_a_failed_load_plan_marks_its_blocks_as_a_failed_load_does(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch=False)
     shared, own = chain("p", 3), chain("b", 1)
