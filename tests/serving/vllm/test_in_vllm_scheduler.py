@@ -532,3 +532,26 @@ def test_under_async_scheduling_no_request_hits_a_load_before_its_result_arrives
     finally:
         sched.connector.shutdown()  # type: ignore[union-attr]
 
+
+@pytest.mark.parametrize("hook", ["on_new_request", "admit", "has_pending_block_frees"])
+def test_a_device_only_reset_is_followed_before_a_hook_that_may_decide_on_host_copies(
+    spatial: Scheduler, hook: str
+) -> None:
+    """``on_new_request`` and ``admit`` drain queued stall transitions (a stall's offload decision
+    counts the host copies it finds), and ``has_pending_block_frees`` may be a step's first hook:
+    each applies a device-only prefix-cache reset first, so no decision uses copies of the old
+    weights."""
+    conn: Any = spatial.connector
+    side = conn.sched
+    old = _request("r1", 3 * BS + 2, 4, session="run:A")
+    _on_host(side, _hashes(old, 3))
+    if hook == "admit":
+        conn.on_new_request(old)  # it arrived before the reset
+    calls = {
+        "on_new_request": lambda: conn.on_new_request(old),
+        "admit": lambda: conn.admit(old, 0),
+        "has_pending_block_frees": conn.has_pending_block_frees,
+    }
+    assert spatial.reset_prefix_cache()  # reset_connector=False: the connector is not told
+    calls[hook]()
+    assert side.stats.counter("reset.device_only") == 1 and side.host.num_ready == 0

@@ -1347,6 +1347,55 @@ def test_a_device_only_prefix_cache_reset_is_followed_once(pool: BlockPool, cloc
     assert side.stats.counter("reset.count") == 2 and side.stats.counter("reset.device_only") == 1
 
 
+def test_a_reset_asks_again_about_a_live_stall_that_relied_on_the_dropped_host_copies(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """An offloaded stall's chain is on host when vLLM resets the prefix cache (new weights): the
+    copies are dropped, so the stall is undecided again (its plan and host pins go) and asked at
+    the next step — the chain computed under the new weights is saved, not left to eviction."""
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("w", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin())
+    answer(side, side.build_meta())
+    stall = side.stalls.active["s1"]
+    assert stall.offloaded and side.planner.is_open("s1")
+    assert pool.reset_prefix_cache()
+    assert side.follow_pool_reset()
+    assert not stall.offloaded and stall.decision is None and not side.planner.is_open("s1")
+    assert side.host.owned_by(stall_owner("s1")) == [] and side.stats.counter("reset.stalls_reopened") == 1
+    blocks = cache_blocks(pool, hashes)  # the chain computed again, under the new weights
+    bp.release(pool, blocks)
+    (save,) = side.build_meta().jobs
+    assert save.kind == "offload" and save.device_blocks == [b.block_id for b in blocks]
+    answer(side, TokenCakeMetadata([save]))
+    assert stall.offloaded and all(stall_owner("s1") in side.host.owners(side.host.lookup(h)) for h in hashes)
+    assert_no_pins(pool)
+
+
+def test_a_reset_that_raised_partway_dropped_the_host_copies_and_is_run_again(
+    pool: BlockPool, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The core's reset drops the host copies and moves to a new generation before anything that
+    could raise; the pool's epoch is recorded only once the reset succeeded, so the next hook's
+    ``follow_pool_reset`` runs it again."""
+    side = make_side(pool, clock, prefetch=False)
+    put_on_host(side, chain("old", 2))
+    release = side.holds.release_device_holds
+
+    def broken() -> int:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(side.holds, "release_device_holds", broken)
+    assert pool.reset_prefix_cache()
+    with pytest.raises(RuntimeError):
+        side.follow_pool_reset()
+    assert side.host.num_ready == 0 and side.copies.generation == 1
+    monkeypatch.setattr(side.holds, "release_device_holds", release)
+    assert side.follow_pool_reset() and not side.follow_pool_reset()
+    assert side.stats.counter("reset.count") == 1
+
+
 def test_host_pool_full_at_allocation_is_asked_again(
     pool: BlockPool, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -346,16 +346,23 @@ class KVCore:
         return jobs
 
     def reset_cache(self) -> bool:
-        """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
+        """vLLM reset its prefix cache (new weights): forget every host copy; copies in flight
+        commit nothing; live stalls whose offload relied on the dropped copies are decided again
+        (:meth:`StallLifecycle.reopen_after_reset`), so the chain computed under the new weights
+        can be saved.
+
+        The generation and the host pool go first: should anything after them raise, nothing
+        from before the reset is committed or served (and the vLLM binding runs it again)."""
         self.copies.generation += 1
+        dropped = self.host.reset()
         self.demand.copied.clear()
         self.copies.suspect.clear()  # no hash survives the reset
+        self.copies.filling.clear()
+        self.eviction.demoted.clear()
         self.holds.release_device_holds()
         for sid in list(self.stalls.finish_pins):
             self.stalls.release_finish_pins(sid)
-        dropped = self.host.reset()
-        self.copies.filling.clear()
-        self.eviction.demoted.clear()
+        self.lifecycle.reopen_after_reset(self.clock())
         self.stats.inc("reset.count")
         self.stats.inc("reset.host_blocks_dropped", dropped)
         log.info("TokenCake: prefix cache reset, %d host blocks dropped", dropped)

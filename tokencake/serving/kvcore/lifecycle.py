@@ -270,6 +270,22 @@ class StallLifecycle:
         if not self.core.copies.offload_pending(stall):
             self.core.eviction.demote(stall)
 
+    def reopen_after_reset(self, now: float) -> None:
+        """A prefix-cache reset dropped every host copy: a live stall decided "offload" relied on
+        its copies (pinned, or planned for upload at its return). It is undecided again and asked
+        at the next step, against the chain computed under the new weights; its plan and its
+        (now empty) host pins go."""
+        for stall in self.core.stalls.active.values():
+            if not stall.offloaded or stall.ended_at is not None:
+                continue
+            stall.offloaded, stall.decision = False, None
+            stall.retry_s, stall.next_eval = 0.0, now
+            stall.reserve_from = stall.reserve_until = math.inf
+            stall.reserve_blocks = None
+            self.core.planner.cancel(stall.stall_id, "reset")
+            self.core.host.release(stall_owner(stall.stall_id))
+            self.core.stats.inc("reset.stalls_reopened")
+
     def tick_stall(self, stall: Stall, now: float) -> None:
         if stall.next_eval <= now and stall.ended_at is None:
             self._evaluate(stall, now)
