@@ -3321,6 +3321,50 @@ def test_a_longer_parallel_call_asks_again_for_a_stall_too_short_to_offload(
     answer(side, TokenCakeMetadata([job]))
 
 
+@pytest.mark.parametrize("end_queued", [False, True])
+def test_a_call_begun_after_the_next_turn_does_not_take_that_turns_calls_into_its_stall(
+    pool: BlockPool, clock: Clock, end_queued: bool
+) -> None:
+    """Turn 1's parallel call B begins only after turn 2 was admitted: its stall holds turn 1's
+    chain. Turn 2's own call C begins on turn 2's chain, so it does not join B's stall: B is
+    over (the session moved on) and ends — on the client's behalf, or with its own end when
+    that arrived after C's begin, still queued — and C starts its own stall on the chain it left idle."""
+    side = make_side(pool, clock, prefetch=False)
+    h1 = chain("t1", 2)
+    finish_turn(side, pool, h1, req_id="r1", next_tool=5.0)
+    side.handle_event(begin("A"))
+    answer(side, side.build_meta())
+    side.handle_event(end("A"))
+    answer(side, side.build_meta())
+    h2 = [*h1, *chain("t2", 2)]
+    r2 = request("r2", h2, len(h2) * BS + 2, next_tool=5.0)
+    side.on_new_request(r2)
+    assert ask(side, r2, 2 * BS) == 0
+    admit(side, pool, r2, h1)
+    side.handle_event(begin("B"))  # turn 1's parallel call, delivered late
+    answer(side, side.build_meta())
+    assert side.stalls.active["B"].hashes == tuple(h1)
+    blocks = cache_blocks(pool, h2)
+    r2.num_computed_tokens = len(h2) * BS + 1
+    side.request_finished(r2)
+    bp.release(pool, blocks)
+    side.handle_event(begin("C"))
+    if end_queued:  # B's end arrives after C's begin, before the engine drains either
+        side.handle_event(end("B", duration=1.0))
+    answer(side, side.build_meta())
+    stall = side.stalls.active_of("run:A")
+    assert stall is not None and stall.stall_id == "C" and stall.hashes == tuple(h2)
+    assert list(side.stalls.active) == ["C"] and side.stalls.get("B").ended_at is not None  # type: ignore[union-attr]
+    assert side.stats.counter("stalls.joined") == 0
+    assert side.stats.counter("events.inferred_end") == (0 if end_queued else 1)
+    assert _samples(side, "search") == 2  # A's end, and B's (its own or the inferred one)
+    assert side.handle_event(end("B")).status == "duplicate"
+    side.handle_event(end("C"))
+    answer(side, side.build_meta())
+    assert side.stalls.active == {} and side.stalls.by_call == {}
+    assert_no_pins(pool)
+
+
 def test_derived_tool_calls_of_two_requests_in_flight_share_the_stall_and_end_together(
     pool: BlockPool, clock: Clock
 ) -> None:
