@@ -21,6 +21,7 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -487,3 +488,70 @@ def test_a_device_prefix_cache_reset_drops_the_host_copies_too(
         assert side.stats.counter("tokens.from_host") == 0
     finally:
         scheduler.connector.shutdown()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("load_ok", [False, True])
+def test_under_async_scheduling_no_request_hits_a_load_before_its_result_arrives(load_ok: bool) -> None:
+    """vLLM 0.32 schedules step N+1 before step N's output is back (async scheduling, its
+    default) and caches a synchronous load's blocks when it allocates them. A request admitted
+    in N+1 on the loaded prefix would keep tokens computed from KV the load may not have
+    written: when the load's failure arrives vLLM rewinds only the loading request. So the
+    request waits ("not yet") until the load reports: after a failure it computes the prefix
+    (the blocks left the prefix cache), after a success it hits the loaded blocks."""
+    config = _config(1024)
+    config.scheduler_config.async_scheduling = True
+    sched = _make(config, SpatialScheduler)
+    try:
+        assert isinstance(sched, AsyncScheduler)
+        side: Any = sched.connector.sched  # type: ignore[union-attr]
+        side.num_workers = 2
+        rb = _request("rb", 3 * BS + 2, 4)
+        _on_host(side, _hashes(rb, 3))
+        sched.add_request(rb)
+        out_n = sched.schedule()
+        (load,) = out_n.kv_connector_metadata.jobs
+        rc = _request("rc", 3 * BS + 5, 4)  # the same 3-block prefix, another tail
+        sched.add_request(rc)
+        out_n1 = sched.schedule()  # before step N's output is back
+        assert "rc" not in out_n1.num_scheduled_tokens
+        assert side.stats.counter("admission.held_back.load_in_flight") == 1
+        both = TokenCakeWorkerMeta({load.job_id: JobResult(load_ok, 0.001, 0, None, workers=2)})
+        _answer(
+            sched,
+            out_n,
+            KVConnectorOutput(
+                invalid_block_ids=set() if load_ok else set(load.device_blocks), kv_connector_worker_meta=both
+            ),
+        )
+        _answer(sched, out_n1)
+        out = sched.schedule()
+        assert "rc" in out.num_scheduled_tokens
+        (new,) = [r for r in out.scheduled_new_reqs if r.req_id == "rc"]
+        assert new.num_computed_tokens == (3 * BS if load_ok else 0)
+        assert not side.demand.loading
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("hook", ["on_new_request", "admit", "has_pending_block_frees"])
+def test_a_device_only_reset_is_followed_before_a_hook_that_may_decide_on_host_copies(
+    spatial: Scheduler, hook: str
+) -> None:
+    """``on_new_request`` and ``admit`` drain queued stall transitions (a stall's offload decision
+    counts the host copies it finds), and ``has_pending_block_frees`` may be a step's first hook:
+    each applies a device-only prefix-cache reset first, so no decision uses copies of the old
+    weights."""
+    conn: Any = spatial.connector
+    side = conn.sched
+    old = _request("r1", 3 * BS + 2, 4, session="run:A")
+    _on_host(side, _hashes(old, 3))
+    if hook == "admit":
+        conn.on_new_request(old)  # it arrived before the reset
+    calls = {
+        "on_new_request": lambda: conn.on_new_request(old),
+        "admit": lambda: conn.admit(old, 0),
+        "has_pending_block_frees": conn.has_pending_block_frees,
+    }
+    assert spatial.reset_prefix_cache()  # reset_connector=False: the connector is not told
+    calls[hook]()
+    assert side.stats.counter("reset.device_only") == 1 and side.host.num_ready == 0

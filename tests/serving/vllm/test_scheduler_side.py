@@ -469,6 +469,42 @@ def test_a_later_chunk_computed_before_a_load_failure_was_known_is_not_committed
     assert_no_pins(pool)
 
 
+def test_a_hit_on_a_load_in_flight_waits_only_until_the_bound_then_leaves_the_prefix_cache(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """A request whose device prefix hit includes blocks of a demand load not confirmed yet waits
+    ("not yet"), each pass counted; a load unconfirmed ``prefetch_wait_s`` after it was issued is
+    not waited for longer: its blocks leave the prefix cache (the loading request keeps them),
+    so the request computes or loads the prefix itself — it is never served KV the load may
+    not have written. A hit that does not reach the load's blocks never waits."""
+    side = make_side(pool, clock, prefetch=False)
+    shared, own = chain("p", 3), chain("b", 1)
+    req, blocks = b_matches_the_shared_prefix_on_host(side, pool, shared, own, admitted=4)
+    side.update_state_after_alloc(req, [b.block_id for b in blocks], 3 * BS)
+    (load,) = side.build_meta().jobs
+    other = request("rc", [*shared, *chain("c", 1)], 4 * BS + 2, session=None)
+    side.on_new_request(other)
+    assert ask(side, other, 3 * BS) is None
+    clock.t += side.opts.prefetch_wait_s / 2
+    assert ask(side, other, 3 * BS) is None
+    assert side.stats.counter("admission.held_back.load_in_flight") == 2
+    unrelated = request("rd", chain("d", 2), 2 * BS + 2, session=None)
+    side.on_new_request(unrelated)
+    assert ask(side, unrelated, 0) == 0
+    clock.t += side.opts.prefetch_wait_s
+    assert ask(side, other, 3 * BS) is None  # vLLM's lookup of this pass found them still cached
+    assert side.stats.counter("admission.past_bound.load_in_flight") == 1
+    assert all(bp.cached_block(pool, h) is None for h in shared)
+    assert all(b.ref_cnt == 1 for b in blocks) and not side.demand.loading
+    assert ask(side, other, 0) == 3 * BS  # no device hit now: its own load of the host copies
+    answer(side, TokenCakeMetadata([load]))
+    assert not side.copies.jobs and side.stats.counter("admission.held_back.load_in_flight") == 2
+    req.num_computed_tokens = 4 * BS + 2
+    side.request_finished(req)
+    bp.release(pool, blocks)
+    assert_no_pins(pool)
+
+
 def test_a_failed_load_plan_marks_its_blocks_as_a_failed_load_does(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch=False)
     shared, own = chain("p", 3), chain("b", 1)
@@ -1309,6 +1345,55 @@ def test_a_device_only_prefix_cache_reset_is_followed_once(pool: BlockPool, cloc
     assert side.reset_cache() and not side.follow_pool_reset()
     assert side.host.num_ready == 0
     assert side.stats.counter("reset.count") == 2 and side.stats.counter("reset.device_only") == 1
+
+
+def test_a_reset_asks_again_about_a_live_stall_that_relied_on_the_dropped_host_copies(
+    pool: BlockPool, clock: Clock
+) -> None:
+    """An offloaded stall's chain is on host when vLLM resets the prefix cache (new weights): the
+    copies are dropped, so the stall is undecided again (its plan and host pins go) and asked at
+    the next step — the chain computed under the new weights is saved, not left to eviction."""
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("w", 3)
+    finish_turn(side, pool, hashes)
+    side.handle_event(begin())
+    answer(side, side.build_meta())
+    stall = side.stalls.active["s1"]
+    assert stall.offloaded and side.planner.is_open("s1")
+    assert pool.reset_prefix_cache()
+    assert side.follow_pool_reset()
+    assert not stall.offloaded and stall.decision is None and not side.planner.is_open("s1")
+    assert side.host.owned_by(stall_owner("s1")) == [] and side.stats.counter("reset.stalls_reopened") == 1
+    blocks = cache_blocks(pool, hashes)  # the chain computed again, under the new weights
+    bp.release(pool, blocks)
+    (save,) = side.build_meta().jobs
+    assert save.kind == "offload" and save.device_blocks == [b.block_id for b in blocks]
+    answer(side, TokenCakeMetadata([save]))
+    assert stall.offloaded and all(stall_owner("s1") in side.host.owners(side.host.lookup(h)) for h in hashes)
+    assert_no_pins(pool)
+
+
+def test_a_reset_that_raised_partway_dropped_the_host_copies_and_is_run_again(
+    pool: BlockPool, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The core's reset drops the host copies and moves to a new generation before anything that
+    could raise; the pool's epoch is recorded only once the reset succeeded, so the next hook's
+    ``follow_pool_reset`` runs it again."""
+    side = make_side(pool, clock, prefetch=False)
+    put_on_host(side, chain("old", 2))
+    release = side.holds.release_device_holds
+
+    def broken() -> int:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(side.holds, "release_device_holds", broken)
+    assert pool.reset_prefix_cache()
+    with pytest.raises(RuntimeError):
+        side.follow_pool_reset()
+    assert side.host.num_ready == 0 and side.copies.generation == 1
+    monkeypatch.setattr(side.holds, "release_device_holds", release)
+    assert side.follow_pool_reset() and not side.follow_pool_reset()
+    assert side.stats.counter("reset.count") == 1
 
 
 def test_host_pool_full_at_allocation_is_asked_again(
@@ -3234,6 +3319,50 @@ def test_a_longer_parallel_call_asks_again_for_a_stall_too_short_to_offload(
     assert plan is not None and plan.due_at == pytest.approx(plan.begin_at + 15.0 - plan.lead_s, abs=0.01)
     assert side.sessions.stall("B").decision == "offload"  # type: ignore[union-attr]
     answer(side, TokenCakeMetadata([job]))
+
+
+@pytest.mark.parametrize("end_queued", [False, True])
+def test_a_call_begun_after_the_next_turn_does_not_take_that_turns_calls_into_its_stall(
+    pool: BlockPool, clock: Clock, end_queued: bool
+) -> None:
+    """Turn 1's parallel call B begins only after turn 2 was admitted: its stall holds turn 1's
+    chain. Turn 2's own call C begins on turn 2's chain, so it does not join B's stall: B is
+    over (the session moved on) and ends — on the client's behalf, or with its own end when
+    that arrived after C's begin, still queued — and C starts its own stall on the chain it left idle."""
+    side = make_side(pool, clock, prefetch=False)
+    h1 = chain("t1", 2)
+    finish_turn(side, pool, h1, req_id="r1", next_tool=5.0)
+    side.handle_event(begin("A"))
+    answer(side, side.build_meta())
+    side.handle_event(end("A"))
+    answer(side, side.build_meta())
+    h2 = [*h1, *chain("t2", 2)]
+    r2 = request("r2", h2, len(h2) * BS + 2, next_tool=5.0)
+    side.on_new_request(r2)
+    assert ask(side, r2, 2 * BS) == 0
+    admit(side, pool, r2, h1)
+    side.handle_event(begin("B"))  # turn 1's parallel call, delivered late
+    answer(side, side.build_meta())
+    assert side.stalls.active["B"].hashes == tuple(h1)
+    blocks = cache_blocks(pool, h2)
+    r2.num_computed_tokens = len(h2) * BS + 1
+    side.request_finished(r2)
+    bp.release(pool, blocks)
+    side.handle_event(begin("C"))
+    if end_queued:  # B's end arrives after C's begin, before the engine drains either
+        side.handle_event(end("B", duration=1.0))
+    answer(side, side.build_meta())
+    stall = side.stalls.active_of("run:A")
+    assert stall is not None and stall.stall_id == "C" and stall.hashes == tuple(h2)
+    assert list(side.stalls.active) == ["C"] and side.stalls.get("B").ended_at is not None  # type: ignore[union-attr]
+    assert side.stats.counter("stalls.joined") == 0
+    assert side.stats.counter("events.inferred_end") == (0 if end_queued else 1)
+    assert _samples(side, "search") == 2  # A's end, and B's (its own or the inferred one)
+    assert side.handle_event(end("B")).status == "duplicate"
+    side.handle_event(end("C"))
+    answer(side, side.build_meta())
+    assert side.stalls.active == {} and side.stalls.by_call == {}
+    assert_no_pins(pool)
 
 
 def test_derived_tool_calls_of_two_requests_in_flight_share_the_stall_and_end_together(

@@ -259,6 +259,7 @@ class CopyJobs:
         if job.failure_acted:
             return
         job.failure_acted = True
+        self.core.demand.settled(job)
         for h in job.hashes:
             self.core.host.drop(h)
         first, ids = job.downstream
@@ -314,6 +315,8 @@ class CopyJobs:
             for h in job.hashes:
                 if self.filling.get(h) == job.job_id:
                     del self.filling[h]
+        elif job.kind == "load":
+            self.core.demand.settled(job)
         elif job.kind == "prefetch" and job.session_id is not None:
             if self.prefetching.get(job.session_id) == job.job_id:
                 del self.prefetching[job.session_id]

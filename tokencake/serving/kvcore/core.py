@@ -31,7 +31,8 @@ block-pool and host-pool mutation happens on the engine thread, in the hooks vLL
 ``get_num_new_matched_tokens`` / ``update_state_after_alloc``
     demand load: count host-pool hits past the device prefix, map them to the blocks vLLM
     allocated, and plan a synchronous host → device load. A request whose prefetch is still
-    being copied waits one step for it instead of loading the same blocks twice.
+    being copied waits one step for it instead of loading the same blocks twice; one whose
+    device prefix hit includes blocks of a load not confirmed yet waits for the load's result.
 ``reset_cache`` (also after a device-only reset, which the vLLM binding detects)
     vLLM reset its prefix cache (weights changed): drop every host copy, ignore copies in flight
     — also after a device-only reset, which vLLM does not pass on to the connector.
@@ -42,8 +43,9 @@ Rules that keep vLLM correct: every device block we pin or allocate is released 
 the prefix cache only after its copy is confirmed, and only when no other block serves its hash;
 a prefetch only brings back blocks that extend an unbroken chain from block 0; a failed load is
 reported so vLLM recomputes, and its blocks leave the prefix cache in the step the first rank's
-report of it arrives; nothing from before a ``reset_cache`` or a device prefix-cache reset is
-committed, published or served.
+report of it arrives; no other request hits a load's blocks before its result is known;
+nothing from before a ``reset_cache`` or a device prefix-cache reset is committed, published
+or served.
 """
 
 from __future__ import annotations
@@ -354,18 +356,25 @@ class KVCore:
         return jobs
 
     def reset_cache(self) -> bool:
-        """vLLM reset its prefix cache: forget every host copy; copies in flight commit nothing."""
+        """vLLM reset its prefix cache (new weights): forget every host copy; copies in flight
+        commit nothing; live stalls whose offload relied on the dropped copies are decided again
+        (:meth:`StallLifecycle.reopen_after_reset`), so the chain computed under the new weights
+        can be saved.
+
+        The generation and the host pool go first: should anything after them raise, nothing
+        from before the reset is committed or served (and the vLLM binding runs it again)."""
         if self.decisions is not None:
             self.note("reset")
         self.copies.generation += 1
+        dropped = self.host.reset()
         self.demand.copied.clear()
         self.copies.suspect.clear()  # no hash survives the reset
+        self.copies.filling.clear()
+        self.eviction.demoted.clear()
         self.holds.release_device_holds()
         for sid in list(self.stalls.finish_pins):
             self.stalls.release_finish_pins(sid)
-        dropped = self.host.reset()
-        self.copies.filling.clear()
-        self.eviction.demoted.clear()
+        self.lifecycle.reopen_after_reset(self.clock())
         self.stats.inc("reset.count")
         self.stats.inc("reset.host_blocks_dropped", dropped)
         log.info("TokenCake: prefix cache reset, %d host blocks dropped", dropped)

@@ -35,6 +35,11 @@ class DemandLoad:
         #: device block id -> the hash whose KV a host copy (prefetch or load) wrote into it. A hit
         #: on such a block serves copied KV, whichever session's copy put it there (provenance).
         self.copied: dict[int, bytes] = {}
+        #: Device block id -> the demand load in flight that fills it or computes it from loaded KV
+        #: (the load's request blocks from its first loaded one on): vLLM caches these at
+        #: allocation, before the load is confirmed (``waits_for_load``). Set when the load is
+        #: planned; cleared when its failure is acted on or its job completes.
+        self.loading: dict[int, int] = {}
         self.usa_req: str | None = None
         self.usa_first = 0
 
@@ -54,6 +59,54 @@ class DemandLoad:
             # are its own; whichever lands second is simply not published).
             self.core.stats.inc("demand_load.gave_up_waiting")
         return False
+
+    def waits_for_load(self, request: RequestView, num_computed_tokens: int) -> bool:
+        """Whether the request's device prefix hit (its first ``num_computed_tokens``) includes
+        blocks of a demand load in flight (``loading``): it waits ("not yet"), since the load may
+        still fail.
+
+        A demand load is synchronous for vLLM, which caches its blocks when it allocates them.
+        Under async scheduling the next step is scheduled before this step's output (the load's
+        result) is back; a request admitted then on the same prefix would keep tokens computed
+        from KV the load may not have written, while vLLM rewinds only the loading request. A
+        load reports within a step or two: the request waits at most ``prefetch_wait_s`` after
+        the load was issued (``admission.held_back.load_in_flight``, each pass). Past it, the
+        late load's blocks leave the prefix cache (the loading request keeps them; they are
+        only not shared) and the request waits one more pass, after which vLLM's lookup stops
+        before them (``admission.past_bound.load_in_flight``).
+        """
+        if not self.loading or self.core.pool is None:
+            return False
+        late: set[int] = set()
+        waits = False
+        for h in list(request.block_hashes)[: num_computed_tokens // self.core.block_size]:
+            block = self.core.pool.cached(bytes(h))
+            if block is None:
+                break
+            job = self.core.copies.jobs.get(self.loading.get(block.block_id, 0))
+            if job is None:
+                continue
+            waits = True
+            if self.core.clock() - job.issued_at >= self.core.opts.prefetch_wait_s:
+                late.add(job.job_id)
+        if not waits:
+            return False
+        if late:
+            self.core.stats.inc("admission.past_bound.load_in_flight")
+            for job_id in late:
+                self.settled(self.core.copies.jobs[job_id], uncache=True)
+        else:
+            self.core.stats.inc("admission.held_back.load_in_flight")
+        return True
+
+    def settled(self, job: Job, *, uncache: bool = False) -> None:
+        """The load's outcome is known (or no longer waited for): its blocks leave ``loading``;
+        ``uncache``: and the prefix cache."""
+        ids = [bid for bid in job.downstream[1] if self.loading.get(bid) == job.job_id]
+        for bid in ids:
+            del self.loading[bid]
+        if uncache and ids and self.core.pool is not None:
+            self.core.pool.uncache(ids)
 
     def local_hits(self, request: RequestView) -> list[bytes]:
         """The request's device prefix hit as vLLM's lookup will find it: its block hashes cached
@@ -176,6 +229,8 @@ class DemandLoad:
             "load", hashes[:n], list(range(first, first + n)), blocks, slots[:n], req_id=request.request_id
         )
         job.downstream = (first, tuple(block_ids[first:]))
+        for bid in job.downstream[1]:
+            self.loading[bid] = job.job_id
         self.core.host.pin_many(job.slots, job.owner)
         self.core.copies.outbox.append(job.to_wire())
         self.core.stats.inc("demand_load.requests")

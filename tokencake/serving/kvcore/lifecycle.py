@@ -47,9 +47,13 @@ class StallLifecycle:
         if tr.kind == "expired":  # by the tracker's safety net (it expired the call itself)
             self.expire_calls(stall, [tr.stall_id], tr.detail or "expired", tracked=True)
             return
-        call = self.core.stalls.leave(stall, tr.stall_id)
+        self._end_call(stall, tr.stall_id, tr.at, tr.event)
+
+    def _end_call(self, stall: Stall, call_id: str, at: float, ev: StallBegin | StallEnd | None) -> None:
+        """An open call of ``stall`` ended at ``at`` (``ev``: its end, which teaches the forecasts);
+        the stall ends with its last open call."""
+        call = self.core.stalls.leave(stall, call_id)
         assert call is not None
-        ev = tr.event
         if isinstance(ev, StallEnd) and stall.known:
             # Only sessions that sent a request teach the shared forecasts: events alone,
             # for sessions that do not exist, must not steer every tenant's tool durations.
@@ -57,17 +61,17 @@ class StallLifecycle:
             self.core.forecaster.observe(call.agent_type, call.tool, ev.duration_s, call.predicted_s)
             self.core.stats.observe("forecast.error_s", call.predicted_s - ev.duration_s)
             # The call as the server saw it minus as the client timed it: event delivery lag.
-            self.core.stats.observe("stalls.server_minus_client_s", (tr.at - call.begin_at) - ev.duration_s)
+            self.core.stats.observe("stalls.server_minus_client_s", (at - call.begin_at) - ev.duration_s)
         if stall.calls.shared and self.core.planner.is_open(stall.stall_id):
-            self.core.planner.observe_return(call.key, call.begin_at, call.predicted_s, tr.at)
+            self.core.planner.observe_return(call.key, call.begin_at, call.predicted_s, at)
         if stall.calls.open:  # another call of the session still runs: the chain stays idle
             self._retime(stall)
             return
         self.core.stalls.pop(stall)
-        stall.ended_at = tr.at
+        stall.ended_at = at
         held = self.core.holds.kept.get(stall.session_id)
         if held is not None:
-            held.until = min(held.until, tr.at + self.core.opts.keep_after_end_s)
+            held.until = min(held.until, at + self.core.opts.keep_after_end_s)
         self._finish_stall(stall)
         # The tools are back: the idle device blocks are the next to be used, not evicted.
         self.core.eviction.promote(stall)
@@ -78,12 +82,12 @@ class StallLifecycle:
                 # A stall longer than predicted: what was prefetched (or still cached) at the
                 # due time was evicted since; the planner makes it due again at the end. (A
                 # chain uploaded in part is topped up instead: ``try_topup``.)
-                self.core.planner.mark_evicted(stall.stall_id, now=tr.at, retry=False)
-            elif plan.state == "waiting" and plan.due_at > tr.at:
+                self.core.planner.mark_evicted(stall.stall_id, now=at, retry=False)
+            elif plan.state == "waiting" and plan.due_at > at:
                 self.core.stats.inc("prefetch.triggered_by_end")  # an end earlier than predicted
-            self.core.planner.end(stall.stall_id, now=tr.at, learn=learn)
+            self.core.planner.end(stall.stall_id, now=at, learn=learn)
         elif plan is not None:
-            self.core.planner.end(stall.stall_id, now=tr.at, learn=learn)
+            self.core.planner.end(stall.stall_id, now=at, learn=learn)
 
     def _on_begin(self, tr: StallTransition, now: float) -> None:
         ev = tr.event
@@ -91,11 +95,13 @@ class StallLifecycle:
         agent_type = ev.agent_type or ev.node
         fc = self.core.forecaster.predict(agent_type, ev.tool, ev.predicted_s, ev.stages)
         self.core.stats.inc(f"forecast.source.{fc.source}")
+        hashes = tuple(tr.blocks.block_hashes) if tr.blocks is not None else ()
         shared = self.core.stalls.active_of(ev.session_id)
         if shared is not None:
-            self._join(shared, ToolCall(ev.stall_id, agent_type, ev.tool, tr.at, fc.seconds), now)
-            return
-        hashes = tr.blocks.block_hashes if tr.blocks is not None else ()
+            if hashes == shared.hashes:
+                self._join(shared, ToolCall(ev.stall_id, agent_type, ev.tool, tr.at, fc.seconds), now)
+                return
+            self._end_outlived(shared, tr.at)
         stall = Stall(
             ev.stall_id,
             ev.session_id,
@@ -115,6 +121,21 @@ class StallLifecycle:
         self.core.stalls.add(stall)
         self._evaluate(stall, now)
         self.core.stalls.release_finish_pins(stall.session_id)  # the stall pins what it keeps
+
+    def _end_outlived(self, stall: Stall, at: float) -> None:
+        """A tool call begins on another chain than the session's open stall: the session ran a
+        turn since that stall began (the call's begin came after the turn's request), so the
+        stall's calls are over — it must not take the new chain's place. Each open call ends
+        here: with its end if the tracker has it (still queued), else on the client's behalf
+        (``events.inferred_end``), as if the session's next request had ended it."""
+        for call_id in list(stall.calls.open):
+            rec = self.core.sessions.stall(call_id)
+            end: StallEnd | None = rec.end if rec is not None else None
+            if rec is not None and rec.state == "active":
+                end = self.core.stalls.end_on_the_clients_behalf(
+                    rec.begin, rec.begin_at, "events.inferred_end"
+                )
+            self._end_call(stall, call_id, at, end)
 
     def _join(self, stall: Stall, call: ToolCall, now: float) -> None:
         """A tool call of a session whose stall is open (a parallel call): it shares the stall,
@@ -269,6 +290,22 @@ class StallLifecycle:
             self.core.stats.inc("stalls.offload_after_retry")
         if not self.core.copies.offload_pending(stall):
             self.core.eviction.demote(stall)
+
+    def reopen_after_reset(self, now: float) -> None:
+        """A prefix-cache reset dropped every host copy: a live stall decided "offload" relied on
+        its copies (pinned, or planned for upload at its return). It is undecided again and asked
+        at the next step, against the chain computed under the new weights; its plan and its
+        (now empty) host pins go."""
+        for stall in self.core.stalls.active.values():
+            if not stall.offloaded or stall.ended_at is not None:
+                continue
+            stall.offloaded, stall.decision = False, None
+            stall.retry_s, stall.next_eval = 0.0, now
+            stall.reserve_from = stall.reserve_until = math.inf
+            stall.reserve_blocks = None
+            self.core.planner.cancel(stall.stall_id, "reset")
+            self.core.host.release(stall_owner(stall.stall_id))
+            self.core.stats.inc("reset.stalls_reopened")
 
     def tick_stall(self, stall: Stall, now: float) -> None:
         if stall.next_eval <= now and stall.ended_at is None:

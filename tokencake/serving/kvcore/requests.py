@@ -152,7 +152,9 @@ class RequestBook:
         """Host-pool hits past the device prefix (tokens); None = "not yet", ask again next step:
         only while a prefetch of the request's own session is being copied (the blocks are about
         to appear in the device prefix cache, loading them a second time would waste the copy),
-        at most ``prefetch_wait_s``.
+        or while its device prefix hit includes blocks of a demand load not confirmed yet
+        (:meth:`DemandLoad.waits_for_load`: no request is served KV a failed load left), each at
+        most ``prefetch_wait_s``.
 
         Admission rules are :meth:`admit`'s, applied by TokenCake's scheduler. Without it
         (vLLM's own ``--scheduler-cls``) this only releases the holds the request needs the
@@ -174,6 +176,8 @@ class RequestBook:
                 if self.core.decisions is not None:
                     self.core.note("wait", req=req_id, why="prefetch")
                 return None
+        if self.core.demand.waits_for_load(request, num_computed_tokens):
+            return None
         if (
             (info is None or not info.critical)
             and len(self.core.critical.idle)

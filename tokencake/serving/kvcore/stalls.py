@@ -115,10 +115,11 @@ class StallBook:
         if self.derived.pop(session_id) is None:
             return
         for rec in self.core.sessions.active_stalls(session_id):
-            self._end_on_the_clients_behalf(rec.begin, rec.begin_at, "events.derived_end")
+            self.end_on_the_clients_behalf(rec.begin, rec.begin_at, "events.derived_end")
 
-    def _end_on_the_clients_behalf(self, begin: StallBegin, started: float, counter: str) -> None:
-        """Apply the ``stall_end`` the client did not send (server clock), as if it had."""
+    def end_on_the_clients_behalf(self, begin: StallBegin, started: float, counter: str) -> StallEnd | None:
+        """Apply the ``stall_end`` the client did not send (server clock), as if it had; returns it
+        (None: the tracker did not take it)."""
         end = StallEnd(
             stall_id=begin.stall_id,
             session_id=begin.session_id,
@@ -128,8 +129,10 @@ class StallBook:
             duration_s=max(self.core.clock() - started, 0.0),
             ts=time.time(),
         )
-        if self.core.sessions.apply(end).ok:
-            self.core.stats.inc(counter)
+        if not self.core.sessions.apply(end).ok:
+            return None
+        self.core.stats.inc(counter)
+        return end
 
     def end_stalls_the_request_outlived(self, session_id: str) -> None:
         """The session sent its next request while its stall is still open: the ends of its open
@@ -145,7 +148,7 @@ class StallBook:
         if stall is None or stall.ended_at is not None:
             return
         for rec in self.core.sessions.active_stalls(session_id):
-            self._end_on_the_clients_behalf(rec.begin, rec.begin_at, "events.inferred_end")
+            self.end_on_the_clients_behalf(rec.begin, rec.begin_at, "events.inferred_end")
 
     def expire_ended(self, now: float) -> None:
         """Ended stalls the planner does not expire are forgotten here: never offloaded, after the

@@ -389,8 +389,9 @@ class TokenCakeConnector(KVConnectorBase_V1):
             self.sched.stats.inc(f"errors.{hook}")
 
     def _follow_pool_reset(self) -> None:
-        """First in every hook that serves, plans or commits a copy: a device-only prefix-cache
-        reset resets the host side too (``SchedulerSide.follow_pool_reset``)."""
+        """First in every hook that serves, plans, commits or decides on a copy (stall decisions
+        drain in ``on_new_request`` / ``admit`` too): a device-only prefix-cache reset resets the
+        host side too (``SchedulerSide.follow_pool_reset``)."""
         self._ask("follow_pool_reset", lambda s: s.follow_pool_reset(), False)
 
     def _ask(self, hook: str, call: Callable[[SchedulerSide], Any], failed: Any) -> Any:
@@ -452,10 +453,8 @@ class TokenCakeConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         if self.sched is None:
             return
-        try:
-            self.sched.on_new_request(request)
-        except Exception:
-            self._count_error("on_new_request")
+        self._follow_pool_reset()
+        self._ask("on_new_request", lambda s: s.on_new_request(request), None)
 
     def enable_admission_control(self, running_need: Callable[[], int] | None = None) -> bool:
         """TokenCake's scheduler applies :meth:`admit` to every waiting request vLLM looks at (see
@@ -472,6 +471,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
         own admission."""
         if self.sched is None:
             return True
+        self._follow_pool_reset()
         return bool(self._ask("admit", lambda s: s.admit(request, num_running), True))
 
     @_timed
@@ -583,6 +583,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
         block: the chains TokenCake holds on device are given back instead (``free_for_running``)."""
         if self.sched is None:
             return False
+        self._follow_pool_reset()
         return self._ask("has_pending_block_frees", lambda s: s.free_for_running(), False)
 
     @_timed

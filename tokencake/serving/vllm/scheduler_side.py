@@ -37,9 +37,12 @@ class SchedulerSide(KVCore):
         self._pool_epoch = bp.cache_epoch(pool)
 
     def reset_cache(self) -> bool:
+        """The core's reset; the pool's epoch is recorded only once it succeeded (this reset covers
+        the pool's as well): a reset that raised partway is run again by ``follow_pool_reset``."""
+        done = super().reset_cache()
         if isinstance(self.pool, VllmDevicePool):
-            self._pool_epoch = bp.cache_epoch(self.pool.pool)  # this reset covers the pool's as well
-        return super().reset_cache()
+            self._pool_epoch = bp.cache_epoch(self.pool.pool)
+        return done
 
     def follow_pool_reset(self) -> bool:
         """Do what ``reset_cache`` does if vLLM reset the device prefix cache since the last call
