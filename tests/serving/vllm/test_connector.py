@@ -26,13 +26,8 @@ from tokencake.serving.event_api import EVENTS_API_KEY_ENV
 from tokencake.serving.model import ResolvedModel
 from tokencake.serving.server import Server
 from tokencake.serving.vllm import connector as conn_mod
-from tokencake.serving.vllm.connector import (
-    TokenCakeConnector,
-    _lookahead_tokens,
-    _options,
-    events_address,
-    events_api_key,
-)
+from tokencake.serving.vllm.connector import TokenCakeConnector, events_address, events_api_key
+from tokencake.serving.vllm.connector_config import lookahead_tokens, options_from_extra
 from tokencake.serving.vllm.scheduler_side import Options
 
 BEGIN = {
@@ -155,7 +150,7 @@ def test_events_address() -> None:
 
 def test_bad_numeric_knobs_keep_their_defaults() -> None:
     default = Options()
-    opts = _options(
+    opts = options_from_extra(
         {
             "usage_threshold": "nan",
             "end_grace_s": math.inf,
@@ -169,8 +164,11 @@ def test_bad_numeric_knobs_keep_their_defaults() -> None:
     assert opts.prefetch_margin_s == default.prefetch_margin_s
     assert opts.min_waiting == default.min_waiting
     assert opts.prefetch_reserve_frac == default.prefetch_reserve_frac
-    assert _options({"usage_threshold": "0.3"}).usage_threshold == 0.3
-    assert Options().hold_prefetched and _options({"hold_prefetched": "false"}).hold_prefetched is False
+    assert options_from_extra({"usage_threshold": "0.3"}).usage_threshold == 0.3
+    assert (
+        Options().hold_prefetched
+        and options_from_extra({"hold_prefetched": "false"}).hold_prefetched is False
+    )
 
 
 def test_scheduler_init_failure_passes_through(build: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,21 +189,23 @@ def test_scheduler_init_failure_passes_through(build: Any, monkeypatch: pytest.M
 
 
 def test_policy_is_chosen_by_name_and_an_unknown_one_falls_back() -> None:
-    assert _options({"policy": "Continuum"}).policy == "continuum"
-    assert _options({"policy": "lru-magic"}).policy == Options().policy == "tokencake"
-    assert _options({"keep_after_end_s": "2.5"}).keep_after_end_s == 2.5
+    assert options_from_extra({"policy": "Continuum"}).policy == "continuum"
+    assert options_from_extra({"policy": "lru-magic"}).policy == Options().policy == "tokencake"
+    assert options_from_extra({"keep_after_end_s": "2.5"}).keep_after_end_s == 2.5
 
 
 def test_the_admission_order_is_chosen_by_name_and_a_bad_one_is_the_policys() -> None:
     assert Options().admission == ""  # the KV policy's own
-    assert _options({"admission": " Apps-Side-By-Side"}).admission == "apps-side-by-side"
-    assert _options({"admission": "lifo"}).admission == ""
+    assert options_from_extra({"admission": " Apps-Side-By-Side"}).admission == "apps-side-by-side"
+    assert options_from_extra({"admission": "lifo"}).admission == ""
 
 
 def test_the_reserve_clock_is_chosen_by_name_and_a_bad_one_falls_back() -> None:
     assert Options().critical_reserve_wait_from == "head"
-    assert _options({"critical_reserve_wait_from": " Arrival"}).critical_reserve_wait_from == "arrival"
-    assert _options({"critical_reserve_wait_from": "queue"}).critical_reserve_wait_from == "head"
+    assert (
+        options_from_extra({"critical_reserve_wait_from": " Arrival"}).critical_reserve_wait_from == "arrival"
+    )
+    assert options_from_extra({"critical_reserve_wait_from": "queue"}).critical_reserve_wait_from == "head"
 
 
 def test_the_connector_runs_the_configured_policy(build: Any, tmp_path: Any) -> None:
@@ -260,8 +260,8 @@ def test_admission_room_reads_vllms_lookahead_and_watermark(build: Any) -> None:
         def num_lookahead_tokens(self) -> int:
             raise AttributeError("no speculative config")
 
-    assert _lookahead_tokens(SimpleNamespace(num_lookahead_tokens=3)) == 3  # type: ignore[arg-type]
-    assert _lookahead_tokens(Spec()) == 0  # type: ignore[arg-type]
+    assert lookahead_tokens(SimpleNamespace(num_lookahead_tokens=3)) == 3  # type: ignore[arg-type]
+    assert lookahead_tokens(Spec()) == 0  # type: ignore[arg-type]
 
 
 def test_decode_context_parallelism_over_a_sharded_spec_passes_through() -> None:

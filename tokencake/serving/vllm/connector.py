@@ -16,7 +16,7 @@ listener when absent), ``host_pool_blocks`` or ``host_pool_gib`` (default 1 GiB)
 ``wake_idle_engine`` (default true), ``policy`` (a name from ``tokencake.serving.policies``;
 default ``tokencake``), ``profile_dir`` (where the prefill profile is kept per model and hardware;
 default ``~/.cache/tokencake/profiles``; ``off`` keeps it in memory only), and the numeric policy
-knobs of :func:`_options`.
+knobs of :func:`~tokencake.serving.vllm.connector_config.options_from_extra`.
 
 The events API key comes from the environment (``TOKENCAKE_EVENTS_API_KEY``, which ``Server``
 sets in the vLLM child only): the extra config is part of vLLM's argv and of its logged
@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
-import platform
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,17 +41,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tokencake.serving.event_api import EVENTS_API_KEY_ENV, EventServer
-from tokencake.serving.host_pool import blocks_for_gib
-from tokencake.serving.model import tokencake_home
-from tokencake.serving.options import RESERVE_WAIT_FROM, RETURN_RESERVE, extra_bool
-from tokencake.serving.policies import POLICY_NAMES
-from tokencake.serving.profile import PrefillProfile, profile_path
-from tokencake.serving.spatial import ADMISSIONS
+from tokencake.serving.event_api import EventServer
+from tokencake.serving.options import extra_bool
+from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.vllm import _blockpool as bp
 from tokencake.serving.vllm import metrics as tc_metrics
+from tokencake.serving.vllm.connector_config import (
+    check_block_size,
+    events_address,
+    events_api_key,
+    geometry,
+    host_pool_blocks,
+    lookahead_tokens,
+    options_from_extra,
+    profile_file,
+)
 from tokencake.serving.vllm.metadata import CopyJob, TokenCakeMetadata, TokenCakeWorkerMeta
-from tokencake.serving.vllm.scheduler_side import Options, SchedulerSide
+from tokencake.serving.vllm.scheduler_side import SchedulerSide
 from tokencake.serving.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -76,52 +79,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.tokencake")
 
-DEFAULT_HOST_POOL_GIB = 1.0
-
-
-def _geometry(kv_cache_config: KVCacheConfig) -> tuple[int, int, int]:
-    """(block_size, bytes per block across layers, device blocks); raises if unsupported."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"{len(groups)} KV cache groups (hybrid models) are not supported")
-    spec = groups[0].kv_cache_spec
-    block_bytes = int(spec.page_size_bytes) * len(groups[0].layer_names)
-    return int(spec.block_size), block_bytes, int(kv_cache_config.num_blocks)
-
-
-def _check_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Raise when vLLM's scheduler counts blocks of another size than the KV spec's: with decode
-    context parallelism over a sharded spec, a scheduler block (and its hash) spans ``dcp`` spec
-    blocks, and every position the connector maps between hashes and block ids would be off."""
-    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    if dcp > 1 and getattr(spec, "dcp_sharded", False):
-        raise ValueError(f"decode context parallelism ({dcp}) is not supported")
-
-
-def host_pool_blocks(extra: dict[str, Any], block_bytes: int) -> int:
-    """Host pool size in blocks from ``host_pool_blocks`` or ``host_pool_gib`` (same on both roles)."""
-    if extra.get("host_pool_blocks") is not None:
-        n = int(extra["host_pool_blocks"])
-        if n < 0:
-            raise ValueError(f"host_pool_blocks must be >= 0, got {n}")
-        return n
-    gib = float(extra.get("host_pool_gib", DEFAULT_HOST_POOL_GIB))
-    return blocks_for_gib(gib, block_bytes)
-
-
-def _profile_file(vllm_config: VllmConfig, extra: Mapping[str, Any], cuda: bool) -> Path | None:
-    """Where this model's prefill profile lives on this hardware (None: ``profile_dir=off``)."""
-    where = str(extra.get("profile_dir") or "").strip()
-    if where.lower() in ("off", "none", "false", "0"):
-        return None
-    directory = Path(where).expanduser() if where else tokencake_home() / "profiles"
-    model_config = getattr(vllm_config, "model_config", None)
-    model = str(getattr(model_config, "model", "model"))
-    dtype = str(getattr(model_config, "dtype", "")).replace("torch.", "")
-    device = torch.cuda.get_device_name(0) if cuda else f"cpu{os.cpu_count()}-{platform.machine()}"
-    return profile_path(directory, model, f"{device}-{dtype}")
-
 
 def _timed(hook: Callable[..., Any]) -> Callable[..., Any]:
     """Add the hook's wall time to the connector's per-step total (``engine.hook_seconds``).
@@ -138,116 +95,6 @@ def _timed(hook: Callable[..., Any]) -> Callable[..., Any]:
             self._hook_s += time.perf_counter() - started
 
     return timed
-
-
-def _extra_choice(extra: Mapping[str, Any], name: str, choices: Sequence[str], default: str) -> str:
-    """A named choice from ``kv_connector_extra_config`` (case and spaces ignored); an unknown
-    one keeps ``default`` (logged)."""
-    raw = extra.get(name)
-    if not raw:
-        return default
-    value = str(raw).strip().lower()
-    if value in choices:
-        return value
-    log.warning("TokenCake: unknown %s %r (choose from %s); using %s", name, raw, ", ".join(choices), default)
-    return default
-
-
-def _lookahead_tokens(vllm_config: VllmConfig) -> int:
-    """KV slots vLLM's admission reserves past a request's tokens (speculative decoding); 0 when
-    the config cannot say (the room a hold yields is then vLLM's prompt test alone)."""
-    try:
-        return max(0, int(vllm_config.num_lookahead_tokens or 0))
-    except Exception:
-        return 0
-
-
-def _options(extra: dict[str, Any]) -> Options:
-    """Policy knobs from ``kv_connector_extra_config``; a bad value keeps the default (logged)."""
-    opts = Options()
-    for name in (
-        "offload",
-        "prefetch",
-        "demand_load",
-        "early_save",
-        "demote",
-        "hold_prefetched",
-        "critical_last",
-        "critical_spare_late",
-    ):
-        setattr(opts, name, extra_bool(extra, name, getattr(opts, name)))
-    for name, choices in (
-        ("policy", POLICY_NAMES),
-        ("critical_reserve_wait_from", RESERVE_WAIT_FROM),
-        ("admission", tuple(ADMISSIONS)),
-        ("return_reserve", RETURN_RESERVE),
-    ):
-        setattr(opts, name, _extra_choice(extra, name, choices, getattr(opts, name)))
-    numeric: dict[str, type] = {
-        "policy_seed": int,
-        "keep_after_end_s": float,
-        "usage_threshold": float,
-        "prefetch_margin_s": float,
-        "end_grace_s": float,
-        "prefetch_reserve_frac": float,
-        "critical_reserve_frac": float,
-        "critical_reserve_wait_s": float,
-        "return_reserve_frac": float,
-        "admission_wait_s": float,
-        "job_timeout_s": float,
-        "reevaluate_max_s": float,
-        "min_waiting": int,
-    }
-    for name, kind in numeric.items():
-        if name not in extra:
-            continue
-        try:
-            value = kind(extra[name])
-            if not math.isfinite(value) or value < 0:
-                raise ValueError("must be a finite number >= 0")
-        except (TypeError, ValueError, OverflowError) as exc:
-            log.warning(
-                "TokenCake: ignoring %s=%r (%s); using %s", name, extra[name], exc, getattr(opts, name)
-            )
-            continue
-        setattr(opts, name, value)
-    return opts
-
-
-def events_api_key(extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> str | None:
-    """The events listener's bearer key: ``$TOKENCAKE_EVENTS_API_KEY``, else a legacy ``api_key``."""
-    key = environ.get(EVENTS_API_KEY_ENV)
-    if key:
-        return key
-    legacy = extra.get("api_key")
-    if legacy:
-        log.warning(
-            "TokenCake: api_key in kv_connector_extra_config is visible in the process list and "
-            "vLLM's logs; set %s in vLLM's environment instead",
-            EVENTS_API_KEY_ENV,
-        )
-        return str(legacy)
-    return None
-
-
-def events_address(extra: Mapping[str, Any]) -> tuple[str, int] | None:
-    """``(events_host, events_port)`` from the extra config; None without a port.
-
-    Raises ``ValueError`` with a one-line reason for a port that is not an int in 0..65535.
-    """
-    port = extra.get("events_port")
-    if port is None:
-        return None
-    host = str(extra.get("events_host") or "127.0.0.1")
-    if isinstance(port, bool) or (isinstance(port, float) and not port.is_integer()):
-        raise ValueError(f"events_port {port!r} is not a port number")
-    try:
-        number = int(port)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"events_port {port!r} is not a port number") from None
-    if not 0 <= number <= 65535:
-        raise ValueError(f"events_port {number} is out of range 0..65535")
-    return host, number
 
 
 class TokenCakeConnector(KVConnectorBase_V1):
@@ -277,8 +124,8 @@ class TokenCakeConnector(KVConnectorBase_V1):
         try:
             if not vllm_config.cache_config.enable_prefix_caching:
                 raise ValueError("prefix caching is disabled (TokenCake needs it)")
-            block_size, block_bytes, num_device_blocks = _geometry(kv_cache_config)
-            _check_block_size(vllm_config, kv_cache_config)
+            block_size, block_bytes, num_device_blocks = geometry(kv_cache_config)
+            check_block_size(vllm_config, kv_cache_config)
             num_host = host_pool_blocks(extra, block_bytes)
         except Exception as exc:
             self.disabled = f"{type(exc).__name__}: {exc}"
@@ -310,7 +157,7 @@ class TokenCakeConnector(KVConnectorBase_V1):
                 log.info("TokenCake: kv_load_failure_policy set to 'recompute'")
             except Exception:
                 log.warning("TokenCake: could not set kv_load_failure_policy=recompute; pass it")
-        opts = _options(extra)
+        opts = options_from_extra(extra)
         cuda = torch.cuda.is_available()
         self.sched = SchedulerSide(
             block_size=block_size,
@@ -318,14 +165,14 @@ class TokenCakeConnector(KVConnectorBase_V1):
             num_host_blocks=num_host,
             num_workers=vllm_config.parallel_config.world_size,
             max_step_tokens=int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 2048),
-            lookahead_tokens=_lookahead_tokens(vllm_config),
+            lookahead_tokens=lookahead_tokens(vllm_config),
             watermark=float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0),
             full_sequence_must_fit=bool(
                 getattr(vllm_config.scheduler_config, "scheduler_reserve_full_isl", True)
             ),
             device_is_cuda=cuda,
             options=opts,
-            profile=PrefillProfile(device_is_cuda=cuda, path=_profile_file(vllm_config, extra, cuda)),
+            profile=PrefillProfile(device_is_cuda=cuda, path=profile_file(vllm_config, extra, cuda)),
         )
         if extra_bool(extra, "wake_idle_engine", True):
             wake = bp.find_engine_wakeup()
