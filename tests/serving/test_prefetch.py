@@ -183,7 +183,7 @@ def test_due_time_aims_at_a_low_quantile_of_learned_return_ratios(clock: Clock) 
         planner.end(f"b{i}", now=t0 + (1e9 if i == 0 else 3.0))
     assert planner.return_ratio("b/slow") == pytest.approx(3.0)
     assert planner.return_ratio("a/crawl") < 1.0
-    assert max(planner._ratios) == 100.0
+    assert max(planner.returns.overall) == 100.0
 
 
 def test_the_late_end_of_the_likely_return_mirrors_the_due_quantile(clock: Clock) -> None:

@@ -179,11 +179,8 @@ class PrefetchPlanner:
         self.prior_ratio = prior_ratio
         self.min_samples = min_samples
         self.max_prefetches = max_prefetches
-        self._ratio_window = ratio_window
-        self._max_keys = max_keys
-        #: actual / predicted duration of ended stalls, overall and per key (bounded LRU of keys).
-        self._ratios: deque[float] = deque(maxlen=ratio_window)
-        self._key_ratios: OrderedDict[str, deque[float]] = OrderedDict()
+        #: actual / predicted duration of ended stalls, overall and per key.
+        self.returns = ReturnRatios(return_quantile, prior_ratio, min_samples, ratio_window, max_keys)
         self._clock = clock
         self.safety_margin_s = safety_margin_s
         self.expiry_factor = expiry_factor
@@ -281,7 +278,7 @@ class PrefetchPlanner:
                 return None
             plan.ended_at = t
             if learn:
-                self._learn_locked(plan.key, plan.begin_at, plan.predicted_s, t)
+                self.returns.learn(plan.key, plan.begin_at, plan.predicted_s, t)
             if plan.mode == "none":
                 pass  # the next request loads on demand
             elif plan.state == "evicted":
@@ -491,9 +488,9 @@ class PrefetchPlanner:
                 **dict(sorted(self._counts.items())),
                 "on_time_early_by_s": self._early_by.summary(),
                 "late_by_s": self._late_by.summary(),
-                "return_ratio": self._ratio_locked(None),
-                "return_ratios": _summary(self._ratios),
-                "return_ratio_samples": len(self._ratios),
+                "return_ratio": self.returns.ratio(None),
+                "return_ratios": _summary(self.returns.overall),
+                "return_ratio_samples": len(self.returns.overall),
             }
 
     # ---------------------------------------------------------------- helpers
@@ -513,28 +510,15 @@ class PrefetchPlanner:
     def _count(self, name: str) -> None:
         self._counts[name] = self._counts.get(name, 0) + 1
 
-    def _ratio_locked(self, key: str | None, *, late: bool = False) -> float:
-        """``r_q``: the return-time ratio the upload aims at (see the module docstring); ``late``:
-        its mirror ``r_(1-q)``, the late end of the likely return (``1 / prior_ratio`` before
-        any history)."""
-        if self.return_quantile is None:
-            return 1.0
-        q = 1.0 - self.return_quantile if late else self.return_quantile
-        for ratios in (self._key_ratios.get(key) if key is not None else None, self._ratios):
-            if ratios is not None and len(ratios) >= self.min_samples:
-                return quantile(sorted(ratios), q)
-        prior = self.prior_ratio
-        return (1.0 / prior if prior > 0 else 1.0) if late else prior
-
     def return_ratio(self, key: str | None = None) -> float:
         """The ratio a stall of ``key`` planned now would aim at (for stats and tests)."""
         with self._lock:
-            return self._ratio_locked(key)
+            return self.returns.ratio(key)
 
     def observe_return(self, key: str | None, begin_at: float, predicted_s: float, ended_at: float) -> None:
         """Learn the return of one tool call of a stall shared by several (``end(learn=False)``)."""
         with self._lock:
-            self._learn_locked(key, begin_at, predicted_s, ended_at)
+            self.returns.learn(key, begin_at, predicted_s, ended_at)
 
     def _timing_locked(
         self, begin_at: float, predicted_s: float, lead_s: float, key: str | None, mode: str
@@ -546,24 +530,51 @@ class PrefetchPlanner:
         )
         if mode != "predictive":
             return math.inf, math.inf, expires_at
-        due_at = begin_at + max(self._ratio_locked(key) * predicted - lead_s, 0.0)
-        return due_at, begin_at + self._ratio_locked(key, late=True) * predicted, expires_at
+        due_at = begin_at + max(self.returns.ratio(key) * predicted - lead_s, 0.0)
+        return due_at, begin_at + self.returns.ratio(key, late=True) * predicted, expires_at
 
-    def _learn_locked(self, key: str | None, begin_at: float, predicted_s: float, ended_at: float) -> None:
+
+class ReturnRatios:
+    """Learned return-time ratios (actual / predicted duration of ended stalls), overall and per
+    key (``agent_type/tool``, a bounded LRU of keys), and the quantile a plan aims at (see the
+    module docstring). Not thread-safe: the planner calls it under its lock."""
+
+    def __init__(
+        self, quantile: float | None, prior: float, min_samples: int, window: int, max_keys: int
+    ) -> None:
+        self.return_quantile, self.prior_ratio, self.min_samples = quantile, prior, min_samples
+        self._window, self._max_keys = window, max_keys
+        self.overall: deque[float] = deque(maxlen=window)
+        self._by_key: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def ratio(self, key: str | None, *, late: bool = False) -> float:
+        """``r_q``: the return-time ratio the upload aims at (see the module docstring); ``late``:
+        its mirror ``r_(1-q)``, the late end of the likely return (``1 / prior_ratio`` before
+        any history)."""
+        if self.return_quantile is None:
+            return 1.0
+        q = 1.0 - self.return_quantile if late else self.return_quantile
+        for ratios in (self._by_key.get(key) if key is not None else None, self.overall):
+            if ratios is not None and len(ratios) >= self.min_samples:
+                return quantile(sorted(ratios), q)
+        prior = self.prior_ratio
+        return (1.0 / prior if prior > 0 else 1.0) if late else prior
+
+    def learn(self, key: str | None, begin_at: float, predicted_s: float, ended_at: float) -> None:
         if _finite(predicted_s) <= 0:
             return
         # Bounded: one runaway tool must not move the quantile to infinity.
         ratio = min(max(ended_at - begin_at, 0.0) / predicted_s, 100.0)
-        self._ratios.append(ratio)
+        self.overall.append(ratio)
         if key is None:
             return
-        ratios = self._key_ratios.get(key)
+        ratios = self._by_key.get(key)
         if ratios is None:
-            ratios = self._key_ratios[key] = deque(maxlen=self._ratio_window)
-            while len(self._key_ratios) > self._max_keys:
-                self._key_ratios.popitem(last=False)
+            ratios = self._by_key[key] = deque(maxlen=self._window)
+            while len(self._by_key) > self._max_keys:
+                self._by_key.popitem(last=False)
         else:
-            self._key_ratios.move_to_end(key)
+            self._by_key.move_to_end(key)
         ratios.append(ratio)
 
 
