@@ -65,7 +65,8 @@ def register(subparsers: Any) -> None:
         type=int,
         default=1,
         help="start N servers behind vllm-router (session affinity by X-Session-ID; needs the "
-        "'router' extra); --port is then the router's",
+        "'router' extra); --port is then the router's and --port + 1 the supervisor's status "
+        "(/v1/stats: replicas up, restarts). A dead replica or router is restarted",
     )
     p.add_argument(
         "--router-policy",
@@ -308,13 +309,14 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         for line in replicas.describe():
             print(line, flush=True)
         print(
-            f"clients: tc.LLM({replicas.base_url!r}, events_url=False) — each replica derives its "
-            "sessions' stalls from their requests (docs/scale-out.md). Ctrl-C to stop.",
+            f"clients: tc.LLM({replicas.base_url!r}) — no events listener behind a router: each "
+            "replica derives its sessions' stalls from their requests (docs/scale-out.md). "
+            "Ctrl-C to stop.",
             flush=True,
         )
-        while all(s.running for s in replicas.servers):
+        while replicas.failure is None:  # the supervisor restarts what dies, within its budget
             time.sleep(0.5)
-        raise CLIError("a replica exited unexpectedly")
+        raise CLIError(f"{replicas.failure}: stopping the deployment")
     except (KeyboardInterrupt, _Terminated):
         return _stop_on_signal("the router and the replicas", replicas.stop)
     finally:

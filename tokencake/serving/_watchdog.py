@@ -1,8 +1,9 @@
-"""A tiny supervisor between ``Server`` and vLLM, so that no vLLM process outlives its owner.
+"""A tiny supervisor between its owner and a server process, so that nothing outlives the owner.
 
 ``python -m tokencake.serving._watchdog --parent PID --grace S -- CMD...`` runs CMD as its child
-inside its own session (``Server`` starts the watchdog with ``start_new_session=True``, so the
-watchdog, the API server, EngineCore and the worker share one process group). It then:
+inside its own session (started with ``start_new_session=True``). ``Server`` starts vLLM under it
+(the watchdog, the API server, EngineCore and the worker share one process group), ``Router``
+starts vllm-router the same way. It then:
 
 - forwards SIGTERM/SIGINT/SIGHUP to CMD (vLLM shuts EngineCore down itself), waits ``grace``
   seconds and SIGKILLs whatever is left of the group;
