@@ -8,16 +8,13 @@ caller's environment, and it dies with its owner. No vLLM: the workers are small
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,72 +28,13 @@ from tokencake.serving.router import ROUTER_ENV, Router, router_env
 KEY = "router-test-key-5b1f"
 
 
-class _Worker(BaseHTTPRequestHandler):
-    seen: list[dict[str, Any]]
-    key: str | None
-    protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server does
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _send(self, obj: dict[str, Any], status: int = 200) -> None:
-        body = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _keyed(self) -> bool:
-        """vLLM's rule: /v1 needs the key when there is one; /health never does."""
-        if self.key is None or not self.path.startswith("/v1"):
-            return True
-        if self.headers.get("Authorization") == f"Bearer {self.key}":
-            return True
-        self._send({"error": "Unauthorized"}, 401)
-        return False
-
-    def do_GET(self) -> None:  # /health and /v1/models
-        if self._keyed():
-            self._send(
-                {"object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "t"}]}
-            )
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
-        if not self._keyed():
-            return
-        self.seen.append({"session": self.headers.get(SESSION_HEADER), "body": body})
-        message = {"role": "assistant", "content": "ok"}
-        choice = {"index": 0, "finish_reason": "stop", "message": message}
-        self._send({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]})
-
-
-class _Stub:
-    """A worker in this process (what the router needs of a replica: its URL)."""
-
-    def __init__(self, key: str | None = None) -> None:
-        self.seen: list[dict[str, Any]] = []
-        handler = type("Handler", (_Worker,), {"seen": self.seen, "key": key})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+@pytest.fixture
+def stubs(stub_worker: Callable[..., Any]) -> list[Any]:
+    return [stub_worker(), stub_worker()]
 
 
 @pytest.fixture
-def stubs() -> Iterator[list[_Stub]]:
-    workers = [_Stub(), _Stub()]
-    yield workers
-    for w in workers:
-        w.stop()
-
-
-@pytest.fixture
-def router(stubs: list[_Stub], tmp_path: Path) -> Iterator[Router]:
+def router(stubs: list[Any], tmp_path: Path) -> Iterator[Router]:
     r = Router([s.url for s in stubs], log_dir=tmp_path)
     try:
         yield r.start()
@@ -113,7 +51,7 @@ def _chat(sid: str) -> dict[str, Any]:
     }
 
 
-def test_sessions_stick_to_a_worker_and_tokencake_fields_pass(router: Router, stubs: list[_Stub]) -> None:
+def test_sessions_stick_to_a_worker_and_tokencake_fields_pass(router: Router, stubs: list[Any]) -> None:
     # 32 sessions: with a balanced hash ring the chance that all land on one worker is 2**-31, so a
     # failure of the spread check below means the router sent everything to one worker.
     sessions = [f"app:agent-{i}" for i in range(32)]
@@ -139,13 +77,13 @@ def test_sessions_stick_to_a_worker_and_tokencake_fields_pass(router: Router, st
 
 
 def test_a_keyed_deployment_is_ready_and_keyless_clients_get_401(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stub_worker: Callable[..., Any]
 ) -> None:
     """The workers require a key (vLLM's ``--api-key``): the readiness probe must send it, and the
     router forwards each client's own header (it is told no key)."""
     monkeypatch.setenv("TOKENCAKE_API_KEY", KEY)
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    keyed = [_Stub(key=KEY), _Stub(key=KEY)]
+    keyed = [stub_worker(key=KEY), stub_worker(key=KEY)]
     r = Router([s.url for s in keyed], log_dir=tmp_path, api_key=KEY, ready_timeout=30.0)
     try:
         t0 = time.monotonic()
@@ -171,8 +109,6 @@ def test_a_keyed_deployment_is_ready_and_keyless_clients_get_401(
         assert KEY not in r.log_path.read_text(errors="replace")  # type: ignore[union-attr]
     finally:
         r.stop()
-        for s in keyed:
-            s.stop()
 
 
 def _pgid(proc: Path) -> int | None:
@@ -195,7 +131,7 @@ def test_router_env_is_an_allow_list() -> None:
     assert router_env(environ) == {"PATH": "/bin", "HOME": "/h"}
 
 
-def test_the_router_dies_with_its_owner(stubs: list[_Stub], tmp_path: Path) -> None:
+def test_the_router_dies_with_its_owner(stubs: list[Any], tmp_path: Path) -> None:
     """SIGKILL of the owner (``tokencake serve --replicas``) runs no cleanup: the router's
     watchdog notices and stops it, as the vLLM servers' watchdogs do."""
     owner = textwrap.dedent(
