@@ -85,7 +85,7 @@ class Replicas:
             if key in server_kwargs:
                 raise ValueError(f"{key} is per replica: Replicas chooses it")
         self.n, self.host, self.port, self.router_policy = n, host, port, router_policy
-        self.log_dir = Path(log_dir) if log_dir is not None else tokencake_home() / "logs"
+        self._log_dir = Path(log_dir) if log_dir is not None else None
         self.startup_timeout = startup_timeout
         self.progress = progress
         self.restart_policy = restart_policy or RestartPolicy()
@@ -104,6 +104,14 @@ class Replicas:
     def base_url(self) -> str:
         """The router's OpenAI base URL (what clients use)."""
         return http_url(self.host, self.port) + "/v1"
+
+    @property
+    def log_dir(self) -> Path:
+        """The replicas' and the router's logs: ``log_dir``, else ``$TOKENCAKE_HOME/logs/replicas-<port>``
+        (one directory per deployment: two on one machine do not write the same files)."""
+        if self._log_dir is not None:
+            return self._log_dir
+        return tokencake_home() / "logs" / f"replicas-{self.port}"
 
     @property
     def status_host(self) -> str:
@@ -293,7 +301,7 @@ class Replicas:
     def describe(self) -> Sequence[str]:
         lines = [f"router ({self.router_policy}): {self.base_url}", f"status: {self.status_url}/v1/stats"]
         lines += [f"replica {i}: {s.base_url}  events {s.events_url}" for i, s in enumerate(self.servers)]
-        return lines
+        return [*lines, f"logs: {self.log_dir}"]
 
 
 def _keep_log(path: Path | None) -> None:
