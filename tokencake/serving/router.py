@@ -121,7 +121,9 @@ class Router:
         self.host, self.port, self.policy = host, port, policy
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.api_key = api_key or None
+        #: Its metrics port: the one given, else a free one chosen at each start.
         self.prometheus_port = prometheus_port
+        self._fixed_prometheus = prometheus_port is not None
         self.ready_timeout = ready_timeout
         self.grace = grace
         self.watch_parent = watch_parent
@@ -189,7 +191,7 @@ class Router:
             raise ServerError("vllm-router is not installed: pip install 'tokencake[router]'")
         if not self.port:
             self.port = find_free_port(self.host, with_events=False)
-        if self.prometheus_port is None:
+        if not self._fixed_prometheus:  # a restart must not fail on a port taken meanwhile
             self.prometheus_port = find_free_port(self.host, with_events=False)
         log_path = self.log_path
         if log_path is not None:
