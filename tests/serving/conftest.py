@@ -1,9 +1,17 @@
-"""Shared fixtures of the serving tests: a CPU-only machine, and a real vLLM start-up failure log."""
+"""Shared fixtures of the serving tests: a CPU-only machine, a real vLLM start-up failure log,
+and stand-in vLLM workers for the router tests."""
 
 from __future__ import annotations
 
+import json
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
 import pytest
 
+from tokencake.events import SESSION_HEADER
 from tokencake.serving import machine
 
 
@@ -67,3 +75,77 @@ KV_LOG = (
 def kv_log() -> tuple[str, str]:
     """``(log, cause)``: vLLM's log of a start that failed for lack of KV cache, and its root cause."""
     return KV_LOG, KV_CAUSE
+
+
+# ------------------------------------------------------------------ stand-in workers (router tests)
+
+
+class _StubHandler(BaseHTTPRequestHandler):
+    seen: list[dict[str, Any]]
+    key: str | None
+    protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server does
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _send(self, obj: dict[str, Any], status: int = 200) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _keyed(self) -> bool:
+        """vLLM's rule: /v1 needs the key when there is one; /health never does."""
+        if self.key is None or not self.path.startswith("/v1"):
+            return True
+        if self.headers.get("Authorization") == f"Bearer {self.key}":
+            return True
+        self._send({"error": "Unauthorized"}, 401)
+        return False
+
+    def do_GET(self) -> None:  # /health and /v1/models
+        if self._keyed():
+            self._send(
+                {"object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "t"}]}
+            )
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        if not self._keyed():
+            return
+        self.seen.append({"session": self.headers.get(SESSION_HEADER), "body": body})
+        message = {"role": "assistant", "content": "ok"}
+        choice = {"index": 0, "finish_reason": "stop", "message": message}
+        self._send({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]})
+
+
+class StubWorker:
+    """A stand-in vLLM worker in this process: ``/health``, ``/v1/models``, chat completions
+    (recorded in ``seen``), and vLLM's key rule when ``key`` is set."""
+
+    def __init__(self, key: str | None = None) -> None:
+        self.seen: list[dict[str, Any]] = []
+        handler = type("Handler", (_StubHandler,), {"seen": self.seen, "key": key})
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def stub_worker() -> Iterator[Callable[..., StubWorker]]:
+    """``stub_worker(key=None)`` starts a :class:`StubWorker`; all are stopped after the test."""
+    made: list[StubWorker] = []
+
+    def make(key: str | None = None) -> StubWorker:
+        made.append(StubWorker(key))
+        return made[-1]
+
+    yield make
+    for worker in made:
+        worker.stop()

@@ -34,11 +34,12 @@ def test_stats_of_baseline_is_an_error() -> None:
 # ---------------------------------------------------------------------------------------------
 
 FAKE_VLLM = """
-import argparse, http.server, json, os, signal, subprocess, sys, time
+import argparse, http.server, json, os, signal, subprocess, sys, threading, time
 p = argparse.ArgumentParser()
 p.add_argument("--port", type=int)
 p.add_argument("--host")
 p.add_argument("--served-model-name")
+p.add_argument("--kv-transfer-config")
 a, _ = p.parse_known_args()
 mode = os.environ.get("FAKE_MODE", "ok")
 print("fake vllm starting", flush=True)
@@ -62,6 +63,15 @@ class H(http.server.BaseHTTPRequestHandler):
         self.send_response(200); self.end_headers(); self.wfile.write(body)
     def log_message(self, *args): pass
 time.sleep(0.5)
+if a.kv_transfer_config:  # the extension's events listener (EngineCore starts it before serving)
+    extra = json.loads(a.kv_transfer_config)["kv_connector_extra_config"]
+    if mode == "no-events":
+        print("(EngineCore pid=1) ERROR 01-01 00:00:00 [connector.py:1] TokenCake events listener not "
+              f"started ({extra['events_host']}:{extra['events_port']}): [Errno 98] Address already in use",
+              flush=True)
+    else:
+        events = http.server.HTTPServer((extra["events_host"], extra["events_port"]), H)
+        threading.Thread(target=events.serve_forever, daemon=True).start()
 http.server.HTTPServer((a.host, a.port), H).serve_forever()
 """
 
@@ -151,6 +161,38 @@ def test_startup_timeout_stops_everything(
         srv.start()
     log = (tmp_path / "hang.log").read_text()
     assert "fake vllm starting" in log
+    assert not srv.running
+
+
+def test_a_missing_events_listener_fails_the_start_and_names_it(
+    cpu: None, fake_python: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM serving without its events listener (the connector could not bind it) is no TokenCake
+    server: readiness says so instead of serving without events and stats."""
+    srv = _fake_server(fake_python, model_dir, tmp_path, "no-events")
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=r"events listener .* did not start: .*Address already in use"):
+        srv.start()
+    assert time.monotonic() - t0 < 30
+    assert not srv.running
+    baseline = _fake_server(fake_python, model_dir, tmp_path, "no-events", baseline=True)
+    with baseline:  # no extension, no listener expected
+        assert baseline.running
+
+
+def test_stop_from_another_thread_ends_a_start_at_once(
+    cpu: None, fake_python: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """A supervisor shutting down stops a replica that is still starting: ``start`` must give up
+    then, not wait out its startup timeout."""
+    import threading
+
+    srv = _fake_server(fake_python, model_dir, tmp_path, "hang", startup_timeout=120.0)
+    threading.Timer(1.5, srv.stop).start()
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="stopped while starting"):
+        srv.start()
+    assert time.monotonic() - t0 < 20
     assert not srv.running
 
 

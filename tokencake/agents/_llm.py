@@ -22,6 +22,7 @@ import openai
 from tokencake.events import EVENTS_PORT_OFFSET, SESSION_HEADER, RequestMeta
 
 from ._errors import LLMConnectionError
+from ._events_probe import is_derived_local, missing_listener
 from ._http import pool_limits
 from ._loop import LoopLocal
 from ._metadata import merge_metadata, metadata_fields
@@ -101,8 +102,10 @@ class LLM:
     ``http://127.0.0.1:8000/v1``), ``TOKENCAKE_MODEL`` (default: the first model the server lists),
     ``TOKENCAKE_API_KEY`` and ``TOKENCAKE_EVENTS_URL``. ``events_url="auto"`` derives the events
     listener from the base URL (port + 1); ``False`` disables stall reporting. Without an argument or
-    the variable, a loopback base URL gets ``"auto"`` (the local ``tokencake serve`` layout; a server
-    without the extension costs one warning), any other host gets no reporting.
+    the variable, a loopback base URL gets ``"auto"`` (the local ``tokencake serve`` layout), any
+    other host gets no reporting. That loopback port + 1 is checked before the first run: when no
+    events listener answers there (a router in front of replicas, a server without the extension),
+    one warning says so and the requests say ``stall_events: false`` (``_events_probe``).
     ``extra_body`` fields go into every request (a call's own ``extra_body`` wins), e.g.
     ``{"ignore_eos": True}`` for equal-work benchmarks.
     ``max_retries`` are the HTTP retries of the openai client (tool retries are separate).
@@ -160,6 +163,17 @@ class LLM:
     def client(self) -> openai.AsyncOpenAI:
         """The openai client of the running event loop."""
         return self._clients.get()
+
+    async def events_reachable(self) -> bool:
+        """Whether this LLM's own stall events reach an events listener: False without an events
+        URL; for the loopback port + 1 it derived, whether a listener answers there (checked at
+        most once a minute); an events URL named elsewhere is taken as given."""
+        url = self.events_url
+        if url is None:
+            return False
+        if not is_derived_local(url, events_url_for(self.base_url, True)):
+            return True
+        return await missing_listener(url) is None
 
     def stall_reporter(self) -> HttpStallReporter | None:
         """The reporter to this server's events listener (one per LLM), or None without events_url."""

@@ -235,8 +235,21 @@ class RunState:
         assert result is not None
         return result
 
+    async def _check_events(self) -> None:
+        """No events listener behind the LLM's own events URL (a router, ``LLM.events_reachable``):
+        this run sends it no events, and its requests say so (the server derives the stalls)."""
+        own = self.llm.stall_reporter()
+        reachable = getattr(self.llm, "events_reachable", None)  # duck-typed LLMs may lack it
+        if own is None or reachable is None or all(h is not own for h in self.hooks.hooks):
+            return
+        if await reachable():
+            return
+        self.hooks.hooks = [h for h in self.hooks.hooks if h is not own]
+        self.reports_stalls = any(isinstance(h, HttpStallReporter) for h in self.hooks.hooks)
+
     async def run(self) -> RunResult:
         self._limiter = anyio.CapacityLimiter(self.max_concurrency) if self.max_concurrency else None
+        await self._check_events()
         started = time.time()
         self.emit("run_started", None, app=self.app.name, run_id=self.run_id, inputs=list(self.inputs))
         status = "cancelled"

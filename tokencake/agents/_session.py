@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from tokencake.events import GraphMeta, NextStall, StallBegin
 
+from ._events_probe import is_derived_local, missing_listener_sync
 from ._llm import DEFAULT_BASE_URL, events_url_for
 from ._metadata import STANDALONE_GRAPH, request_metadata
 from ._stall import HttpStallReporter, StallHook, StallHooks, StallScope
@@ -149,8 +150,23 @@ class Session:
             importance=self.importance,
             graph=self.graph,
             next_stall=self.next_stall,
-            stall_events=self.events_url is not None,
+            stall_events=self._sends_events(),
         )
+
+    def _sends_events(self) -> bool:
+        """Whether this conversation's stall events reach a listener. The loopback port + 1 it
+        derived is checked first (``_events_probe``; a blocking GET of at most a second, once a
+        minute): with no events listener there (a router) the session sends none, and its
+        requests say ``stall_events: false``."""
+        url = self.events_url
+        if url is None:
+            return False
+        if is_derived_local(url, events_url_for(self.base_url, True)) and missing_listener_sync(url):
+            self.events_url = None
+            self.hooks = StallHooks([h for h in self.hooks.hooks if h is not self.reporter])
+            self.reporter = None
+            return False
+        return True
 
     def stall(
         self,
@@ -162,6 +178,7 @@ class Session:
         attempt: int = 1,
     ) -> StallScope:
         """``async with session.stall("web_search", predicted_s=2.0): ...`` (see :func:`stall`)."""
+        self._sends_events()
         begin = StallBegin(
             stall_id=f"{self.run_id[:150]}:{self._token}:{next(self._stalls)}",
             session_id=self.session_id,

@@ -65,13 +65,20 @@ def register(subparsers: Any) -> None:
         type=int,
         default=1,
         help="start N servers behind vllm-router (session affinity by X-Session-ID; needs the "
-        "'router' extra); --port is then the router's",
+        "'router' extra); --port is then the router's and --port + 1 the supervisor's status "
+        "(/v1/stats: replicas up, restarts). A dead replica or router is restarted",
     )
     p.add_argument(
         "--router-policy",
         default="consistent_hash",
         choices=("consistent_hash", "round_robin", "cache_aware", "power_of_two"),
         help="with --replicas: vllm-router's policy (default consistent_hash: a session stays put)",
+    )
+    p.add_argument(
+        "--compose",
+        metavar="FILE",
+        help="write a docker compose file for --replicas N (the replicas' vLLM commands and the "
+        "router's, as this machine would run them) to FILE ('-': stdout) and exit; starts nothing",
     )
     p.add_argument("--scheduler-cls", help="vLLM --scheduler-cls to load with the extension")
     spatial = p.add_mutually_exclusive_group()
@@ -231,6 +238,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokencake.serving.model import ModelError
     from tokencake.serving.server import ServerError
 
+    if getattr(args, "compose", None):
+        return _write_compose(args)
     if getattr(args, "replicas", 1) != 1:
         return _serve_replicas(args)
     server = build_server(args)
@@ -308,18 +317,40 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         for line in replicas.describe():
             print(line, flush=True)
         print(
-            f"clients: tc.LLM({replicas.base_url!r}, events_url=False) — each replica derives its "
-            "sessions' stalls from their requests (docs/scale-out.md). Ctrl-C to stop.",
+            f"clients: tc.LLM({replicas.base_url!r}) — no events listener behind a router: each "
+            "replica derives its sessions' stalls from their requests (docs/scale-out.md). "
+            "Ctrl-C to stop.",
             flush=True,
         )
-        while all(s.running for s in replicas.servers):
+        while replicas.failure is None:  # the supervisor restarts what dies, within its budget
             time.sleep(0.5)
-        raise CLIError("a replica exited unexpectedly")
+        raise CLIError(f"{replicas.failure}: stopping the deployment")
     except (KeyboardInterrupt, _Terminated):
         return _stop_on_signal("the router and the replicas", replicas.stop)
     finally:
         signal.signal(signal.SIGTERM, previous)
         replicas.stop()
+
+
+def _write_compose(args: argparse.Namespace) -> int:
+    """``--compose FILE``: the deployment of ``--replicas N`` as a docker compose file."""
+    from tokencake.serving.compose import compose_config, render_compose
+    from tokencake.serving.model import ModelError
+
+    replicas = build_replicas(args)  # the same checks as for starting it
+    try:
+        doc = compose_config(
+            replicas.n, port=args.port, router_policy=replicas.router_policy, **replicas.server_kwargs
+        )
+    except (ModelError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    text = render_compose(doc)
+    if args.compose == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.compose).write_text(text)
+        print(f"wrote {args.compose}: {replicas.n} replica(s) + vllm-router", file=sys.stderr)
+    return 0
 
 
 def _stop_on_signal(what: str, stop: Callable[[], None]) -> int:

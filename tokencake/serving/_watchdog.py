@@ -1,15 +1,20 @@
-"""A tiny supervisor between ``Server`` and vLLM, so that no vLLM process outlives its owner.
+"""A tiny supervisor between its owner and a server process, so that nothing outlives the owner.
 
 ``python -m tokencake.serving._watchdog --parent PID --grace S -- CMD...`` runs CMD as its child
-inside its own session (``Server`` starts the watchdog with ``start_new_session=True``, so the
-watchdog, the API server, EngineCore and the worker share one process group). It then:
+inside its own session (started with ``start_new_session=True``). ``Server`` starts vLLM under it
+(the watchdog, the API server, EngineCore and the worker share one process group), ``Router``
+starts vllm-router the same way. It then:
 
 - forwards SIGTERM/SIGINT/SIGHUP to CMD (vLLM shuts EngineCore down itself), waits ``grace``
   seconds and SIGKILLs whatever is left of the group;
 - polls its parent: when the owner dies — even by SIGKILL, where no cleanup code runs — it does
   the same shutdown. Polling ``getppid`` works from any thread of the owner, unlike
   ``PR_SET_PDEATHSIG``, which fires when the *thread* that forked exits;
-- when CMD exits by itself (a crash), kills the rest of the group and exits with CMD's code.
+- when CMD exits by itself (a crash), kills the rest of the group and exits with CMD's code
+  (128 + N for a signal N), which its owner reports (a supervisor's ``last_exit``).
+
+Stragglers get SIGKILL one by one, so that the watchdog outlives them and its exit code is CMD's;
+only if they keep reappearing is the whole group, the watchdog included, killed.
 
 Standard library only; it must start fast and never import vLLM.
 """
@@ -33,12 +38,13 @@ def _kill_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _others_alive(pgid: int, me: int) -> bool:
-    """True while a non-zombie process other than ``me`` is in group ``pgid`` (Linux /proc)."""
+def _others(pgid: int, me: int) -> list[int]:
+    """The non-zombie processes other than ``me`` in group ``pgid`` (Linux /proc)."""
     try:
         names = os.listdir("/proc")
     except OSError:
-        return False
+        return []
+    found = []
     for name in names:
         if not name.isdigit() or int(name) == me:
             continue
@@ -50,8 +56,8 @@ def _others_alive(pgid: int, me: int) -> bool:
         fields = stat.rsplit(")", 1)[-1].split()
         # fields[0] = state, fields[2] = pgrp (see proc(5)).
         if len(fields) > 2 and fields[0] != "Z" and fields[2] == str(pgid):
-            return True
-    return False
+            found.append(int(name))
+    return found
 
 
 def _shutdown(child: subprocess.Popen[bytes], grace: float) -> None:
@@ -63,12 +69,24 @@ def _shutdown(child: subprocess.Popen[bytes], grace: float) -> None:
             pass
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        if child.poll() is not None and not _others_alive(pgid, os.getpid()):
+        if child.poll() is not None and not _others(pgid, os.getpid()):
             return
         time.sleep(_POLL_S)
     # Stragglers (an EngineCore whose parent vanished, a stuck worker): no more patience.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _kill_group(pgid, signal.SIGKILL)  # also hits us; that is fine, we are done
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        stragglers = _others(pgid, os.getpid())
+        if not stragglers and child.poll() is not None:
+            return
+        for pid in stragglers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        child.poll()  # reap CMD once it is dead
+        time.sleep(0.05)
+    _kill_group(pgid, signal.SIGKILL)  # they keep coming: the group goes, us included
 
 
 def main(argv: list[str] | None = None) -> int:

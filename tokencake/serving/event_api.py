@@ -2,25 +2,31 @@
 
 It runs inside vLLM's EngineCore process (started by the scheduler-side connector), so it must be
 small and harmless: a ``ThreadingHTTPServer`` on its own daemon thread, a body size limit, socket
-timeouts, and every handler error turned into a JSON 500 instead of an exception. The handler
-(``handler(event) -> EventAck``) only does bookkeeping; block copies happen later on the engine
-thread, so an ack never waits for an engine step.
+timeouts, a deadline per request, and every handler error turned into a JSON 500 instead of an
+exception. A 500 names no exception: its text stays in the log (it may quote internal state). The
+handler (``handler(event) -> EventAck``) only does bookkeeping; block copies happen later on the
+engine thread, so an ack never waits for an engine step.
 
-Connections are capped (``max_connections``, one thread each): when the cap is reached, the
-connection idle the longest (keep-alive, or still sending its request) is closed to make room, and
-only when every connection is busy in a handler is the new one answered ``503`` at once. Idle
-sockets can therefore neither exhaust the threads of EngineCore nor lock legitimate clients out.
+Connections are capped and shed as ``event_http.py`` describes (idle and keyless ones first):
+idle sockets can neither exhaust the threads of EngineCore nor lock legitimate clients out, and a
+request must arrive whole within ``request_timeout_s`` of its first byte.
 
 Routes: ``POST /v1/events`` (one event, see ``docs/events.md``), ``GET /v1/stats`` (JSON counters),
-``GET /health``. With ``api_key`` set, events and stats need ``Authorization: Bearer <key>``;
-without a key, ``/v1/stats`` (agent and tool names of every tenant) answers loopback clients only.
-The key reaches EngineCore through the environment (:data:`EVENTS_API_KEY_ENV`), never argv.
+``GET /health``. With ``api_key`` set, events and stats need ``Authorization: Bearer <key>`` (the
+scheme in any case, as vLLM accepts it); a refused request closes its connection. Without a key,
+``/v1/stats`` (agent and tool names of every tenant) answers loopback clients only. The key reaches
+EngineCore through the environment (:data:`EVENTS_API_KEY_ENV`), never argv.
+
+``handler=None`` serves stats and health without taking events: ``/health`` then answers
+``{"ok": true, "events": false}`` and events get 404, so that a client probing for a listener
+(port + 1 of a router) learns to leave stall events to the servers (``tokencake serve --replicas``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import io
 import ipaddress
 import json
 import logging
@@ -28,7 +34,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from pydantic import ValidationError
@@ -43,6 +49,7 @@ from tokencake.events import (
     StallEnd,
     parse_event,
 )
+from tokencake.serving.event_http import CappedHTTPServer, CappedHTTPServer6, DeadlineReader
 from tokencake.serving.stats import Stats
 
 __all__ = [
@@ -86,6 +93,15 @@ def http_status(ack: EventAck) -> int:
     return HTTP_STATUS_BY_REASON.get(ack.reason or "", 400)
 
 
+#: What a client learns about a server-side failure (the exception itself goes to the log).
+INTERNAL_ERROR_DETAIL = "internal error; the server log has the details"
+#: Why a listener without a handler (a router's status port) refuses events.
+NO_EVENTS_DETAIL = (
+    "no events listener here (a router in front of replicas): send stall_events=false and each "
+    "replica derives its stalls from the requests"
+)
+
+
 def _reject(reason: str, detail: str) -> EventAck:
     return EventAck(ok=False, status="rejected", reason=reason, detail=detail)
 
@@ -112,128 +128,6 @@ def is_loopback(host: str) -> bool:
     return addr.is_loopback
 
 
-def _busy_response() -> bytes:
-    body = json.dumps(
-        {"ok": False, "status": "rejected", "reason": "unavailable", "detail": "too many connections"}
-    ).encode()
-    head = (
-        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-_BUSY_RESPONSE = _busy_response()
-#: How long the accept loop waits for shed connections' threads before answering 503.
-_SHED_WAIT_S = 0.1
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    """``ThreadingHTTPServer`` with at most ``max_connections`` open connections (see module doc)."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    # Keep-alive connections park handler threads in a read; closing must not wait for them.
-    block_on_close = False
-    request_queue_size = 128
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        handler_cls: type[BaseHTTPRequestHandler],
-        *,
-        max_connections: int,
-        metrics: Stats,
-    ) -> None:
-        self.max_connections = max_connections
-        self.metrics = metrics
-        self._conn_cond = threading.Condition()
-        #: Open connections → busy (in a handler); least recently active first.
-        self._conns: dict[socket.socket, bool] = {}
-        #: Connections closed to make room whose threads have not finished yet.
-        self._shed: set[socket.socket] = set()
-        super().__init__(address, handler_cls)
-
-    @property
-    def open_connections(self) -> int:
-        with self._conn_cond:
-            return len(self._conns) + len(self._shed)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._admit(request):
-            self.metrics.inc("connections.refused")
-            self.metrics.inc("http.503")
-            _refuse(request)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except Exception:  # no thread could be started: drop this one connection
-            self._forget(request)
-            self.metrics.inc("connections.thread_errors")
-            self.shutdown_request(request)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._forget(request)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that vanished mid-answer (or a connection shed to make room) is not news;
-        # socketserver's default prints a traceback into vLLM's log.
-        logger.debug("events connection from %s ended with an error", client_address, exc_info=True)
-
-    def mark(self, request: socket.socket, busy: bool) -> None:
-        """Record that ``request`` runs a handler (busy) or waits for its client (idle)."""
-        with self._conn_cond:
-            if request in self._conns:
-                del self._conns[request]  # re-inserted last: most recently active
-                self._conns[request] = busy
-
-    def _admit(self, request: socket.socket) -> bool:
-        deadline = time.monotonic() + _SHED_WAIT_S
-        with self._conn_cond:
-            while len(self._conns) >= self.max_connections:
-                idle = next((sock for sock, busy in self._conns.items() if not busy), None)
-                if idle is None:
-                    return False
-                if len(self._shed) < self.max_connections:
-                    del self._conns[idle]
-                    self._shed.add(idle)
-                    with contextlib.suppress(OSError):
-                        idle.shutdown(socket.SHUT_RDWR)  # its blocked read returns at once
-                    self.metrics.inc("connections.shed")
-                    continue
-                # Too many shed connections still finishing: give their threads a moment.
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._conn_cond.wait(left):
-                    return False
-            self._conns[request] = False
-            return True
-
-    def _forget(self, request: socket.socket) -> None:
-        with self._conn_cond:
-            self._conns.pop(request, None)
-            self._shed.discard(request)
-            self._conn_cond.notify_all()
-
-
-def _refuse(sock: socket.socket) -> None:
-    """Answer 503 without blocking the accept loop (best effort: the client may see a reset)."""
-    try:
-        sock.setblocking(False)
-        with contextlib.suppress(OSError):
-            sock.recv(64 * 1024)  # what already arrived: closing with unread data resets the answer
-        sock.send(_BUSY_RESPONSE)
-    except OSError:
-        pass
-
-
-class _HTTPServer6(_HTTPServer):
-    address_family = socket.AF_INET6
-
-
 class EventServer:
     """Serve ``POST /v1/events``, ``GET /v1/stats``, ``GET /health`` on ``host:port`` (0: a free port)."""
 
@@ -241,16 +135,19 @@ class EventServer:
         self,
         host: str,
         port: int,
-        handler: EventHandler,
+        handler: EventHandler | None,
         stats_fn: Callable[[], dict[str, Any]] | None = None,
         api_key: str | None = None,
         *,
         max_body_bytes: int = 64 * 1024,
         socket_timeout_s: float = 30.0,
+        request_timeout_s: float = 10.0,
         max_connections: int = 64,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.host = host
         self.requested_port = port
         self.handler = handler
@@ -258,9 +155,11 @@ class EventServer:
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.socket_timeout_s = socket_timeout_s
+        #: Seconds from a request's first byte until it must have arrived whole.
+        self.request_timeout_s = request_timeout_s
         self.max_connections = max_connections
         self.metrics = Stats(hist_window=2048)
-        self._httpd: _HTTPServer | None = None
+        self._httpd: CappedHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -271,7 +170,7 @@ class EventServer:
             if self._httpd is not None:
                 return self
             request_handler = _make_request_handler(self)
-            server_cls = _HTTPServer6 if ":" in self.host else _HTTPServer
+            server_cls = CappedHTTPServer6 if ":" in self.host else CappedHTTPServer
             httpd = server_cls(
                 (self.host, self.requested_port),
                 request_handler,
@@ -328,13 +227,21 @@ class EventServer:
         return f"http://{host}:{self.port}"
 
     # ----------------------------------------------------------------- logic
+    @property
+    def accepts_events(self) -> bool:
+        """False for a stats-only listener (``handler=None``)."""
+        return self.handler is not None
+
     def authorized(self, header: str | None) -> bool:
-        """Constant-time check of ``Authorization: Bearer <api_key>`` (always true without a key)."""
+        """Constant-time check of ``Authorization: Bearer <api_key>`` (always true without a key).
+
+        The scheme is case-insensitive (RFC 9110; vLLM's own check agrees)."""
         if self.api_key is None:
             return True
-        if not header or not header.startswith("Bearer "):
+        scheme, _, token = (header or "").strip().partition(" ")
+        if scheme.lower() != "bearer":
             return False
-        return hmac.compare_digest(header[7:].strip().encode(), self.api_key.encode())
+        return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     def stats_allowed(self, header: str | None, peer: str) -> bool:
         """``/v1/stats`` names every tenant's agents and tools: the key, or loopback without one."""
@@ -354,6 +261,8 @@ class EventServer:
             return _reject(
                 "unsupported_version", f"wire version {event.v}; this server speaks {WIRE_VERSION}"
             )
+        if self.handler is None:
+            return _reject("not_found", NO_EVENTS_DETAIL)
         self.metrics.inc(f"events.{event.type}")
         t0 = time.perf_counter()
         try:
@@ -362,8 +271,8 @@ class EventServer:
                 ack = EventAck.model_validate(ack)
         except Exception as exc:
             self.metrics.inc("handler_errors")
-            logger.exception("tokencake event handler failed on %s %s", event.type, event.stall_id)
-            return _reject("internal_error", f"{type(exc).__name__}: {exc}"[:500])
+            logger.exception("tokencake event handler failed on %s %s: %s", event.type, event.stall_id, exc)
+            return _reject("internal_error", INTERNAL_ERROR_DETAIL)
         finally:
             self.metrics.observe("handler_s", time.perf_counter() - t0)
         return ack
@@ -392,6 +301,15 @@ def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
                 self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:  # pragma: no cover - not a TCP socket
                 pass
+            self.rfile.close()  # the plain reader: replaced by one that keeps the request deadline
+            self._reader = DeadlineReader(
+                self.connection, server.socket_timeout_s, server.request_timeout_s, server.metrics
+            )
+            self.rfile = io.BufferedReader(self._reader)
+
+        def handle_one_request(self) -> None:
+            self._reader.next_request()
+            super().handle_one_request()
 
         def log_message(self, format: str, *args: Any) -> None:
             logger.debug("events %s - " + format, self.address_string(), *args)
@@ -410,12 +328,22 @@ def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
 
         @contextlib.contextmanager
         def _busy(self) -> Any:
-            httpd: _HTTPServer = self.server  # type: ignore[assignment]
+            httpd: CappedHTTPServer = self.server  # type: ignore[assignment]
             httpd.mark(self.request, True)
             try:
                 yield
             finally:
                 httpd.mark(self.request, False)
+
+        def _admitted(self, allowed: bool) -> bool:
+            """After a key check: trust the connection, or answer 401 and close it."""
+            if allowed:
+                httpd: CappedHTTPServer = self.server  # type: ignore[assignment]
+                httpd.trust(self.request)
+                return True
+            self.close_connection = True  # a refused client keeps no connection (and no thread)
+            self._send_ack(_reject("unauthorized", "missing or wrong bearer token"))
+            return False
 
         def _send_ack(self, ack: EventAck) -> None:
             self._send_json(http_status(ack), ack.model_dump(exclude_none=True))
@@ -428,12 +356,12 @@ def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
             try:
                 path = self.path.split("?", 1)[0]
                 if path == HEALTH_PATH:
-                    self._send_json(200, {"ok": True})
+                    health = {"ok": True} if server.accepts_events else {"ok": True, "events": False}
+                    self._send_json(200, health)
                 elif path == STATS_PATH:
-                    if not server.stats_allowed(self.headers.get("Authorization"), self.client_address[0]):
-                        self._send_ack(_reject("unauthorized", "missing or wrong bearer token"))
-                        return
-                    self._send_json(200, server.stats_body())
+                    allowed = server.stats_allowed(self.headers.get("Authorization"), self.client_address[0])
+                    if self._admitted(allowed):
+                        self._send_json(200, server.stats_body())
                 elif path == EVENTS_PATH:
                     self._send_ack(_reject("method_not_allowed", f"use POST {EVENTS_PATH}"))
                 else:
@@ -448,9 +376,10 @@ def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
                     self._discard_body()
                     self._send_ack(_reject("not_found", f"no route {path}"))
                     return
-                if not server.authorized(self.headers.get("Authorization")):
-                    self._discard_body()
-                    self._send_ack(_reject("unauthorized", "missing or wrong bearer token"))
+                allowed = server.authorized(self.headers.get("Authorization"))
+                if not allowed:
+                    self._discard_body()  # unread data would turn the 401 into a reset
+                if not self._admitted(allowed):
                     return
                 body = self._read_body()  # idle while the client sends: a slow body can be shed
                 if body is None:
@@ -516,10 +445,10 @@ def _make_request_handler(server: EventServer) -> type[BaseHTTPRequestHandler]:
                 server.metrics.inc("connections.broken")
                 return
             server.metrics.inc("internal_errors")
-            logger.exception("tokencake events endpoint failed")
+            logger.exception("tokencake events endpoint failed: %s", exc)
             self.close_connection = True
             try:
-                self._send_ack(_reject("internal_error", f"{type(exc).__name__}: {exc}"[:500]))
+                self._send_ack(_reject("internal_error", INTERNAL_ERROR_DETAIL))
             except Exception:  # pragma: no cover - the client is gone
                 pass
 

@@ -9,6 +9,11 @@ Process layout: ``Server`` → watchdog (``_watchdog.py``, a new session) → AP
 → worker, all in one process group. Stopping sends SIGTERM to the watchdog, which forwards it,
 waits, then SIGKILLs stragglers (``process_group.py``); if the owner dies the watchdog notices and
 does the same, so no EngineCore is ever orphaned.
+
+Readiness: vLLM's ``/health`` and ``/v1/models`` (with the API key) answer and list the model, and,
+with the extension, its events listener answers ``/health``. The connector starts the listener
+before vLLM serves, so a listener still missing ``EVENTS_GRACE_S`` after that did not start (a
+busy port): the start fails and names it, instead of serving without events and stats.
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ from tokencake.serving.startup_log import (
     startup_hint,
 )
 
+#: Seconds the events listener may lag behind vLLM's readiness before the start fails.
+EVENTS_GRACE_S = 5.0
+#: What the connector logs when the listener could not start (``connector._start_events``).
+_EVENTS_FAILED = "events listener not started"
+
 
 class Server(ServerConfig):
     """A vLLM OpenAI server with (or, ``baseline=True``, without) the TokenCake extension.
@@ -74,6 +84,11 @@ class Server(ServerConfig):
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The watchdog's exit code once it exited (vLLM's, or 128 + signal); None while running."""
+        return self._proc.poll() if self._proc is not None else None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -123,15 +138,24 @@ class Server(ServerConfig):
     def _wait_ready(self, started: float) -> None:
         report = self._progress_reporter()
         deadline = started + self.startup_timeout
+        serving_since: float | None = None
         with httpx.Client(timeout=2.0) as client, report as tick:
             while True:
-                rc = self._proc.poll() if self._proc is not None else None
+                proc = self._proc
+                if proc is None:  # ``stop`` from another thread (a supervisor shutting down)
+                    raise ServerError(f"vLLM on {self.url} was stopped while starting")
+                rc = proc.poll()
                 if rc is not None:
                     # The cause sits in EngineCore's traceback, often > 30 lines before the end.
                     msg = startup_error_message(rc, read_tail(self.log_path, 400), self.log_path)
                     raise ServerError(msg, log_tail=read_tail(self.log_path, 30))
+                now = time.monotonic()
                 if self._ready(client):
-                    return
+                    if self._events_ready(client):
+                        return
+                    serving_since = serving_since or now
+                    if now - serving_since > EVENTS_GRACE_S:
+                        raise ServerError(self._events_failed(), log_tail=read_tail(self.log_path, 30))
                 now = time.monotonic()
                 if now > deadline:
                     raise ServerError(
@@ -156,6 +180,22 @@ class Server(ServerConfig):
         except (ValueError, AttributeError):
             return False
         return self.model in names
+
+    def _events_ready(self, client: httpx.Client) -> bool:
+        if self.events_url is None:
+            return True
+        try:
+            return client.get(self.events_url + HEALTH_PATH).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _events_failed(self) -> str:
+        lines = [ln for ln in read_tail(self.log_path, 2000).splitlines() if _EVENTS_FAILED in ln]
+        cause = lines[-1].split(_EVENTS_FAILED, 1)[1].strip(" :") if lines else "no answer"
+        return (
+            f"vLLM serves on {self.url}, but the TokenCake events listener ({self.events_url}) did not "
+            f"start: {cause} — pick another --port or --events-port (log: {self.log_path})"
+        )
 
     def _progress_reporter(self) -> contextlib.AbstractContextManager[ProgressFn]:
         if callable(self.progress):

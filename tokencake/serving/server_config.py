@@ -320,9 +320,10 @@ class ServerConfig:
             *self.vllm_args(),
         ]
 
-    def child_env(self) -> dict[str, str]:
-        """The vLLM processes' environment; the only place the API key is handed over."""
-        env = dict(os.environ)
+    def child_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The vLLM processes' environment: ``base`` (default: this process's) plus what vLLM
+        needs here; the only place the API key is handed over. ``base={}`` gives just those."""
+        env = dict(os.environ if base is None else base)
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"  # same thread layout with and without connector
         env["PYTHONUNBUFFERED"] = "1"
         if self.kv_cache_gib is not None or self.is_cpu():

@@ -327,3 +327,32 @@ def test_a_failing_lag_count_costs_the_lag_not_the_engine() -> None:
     q.add_request(req("a", now - 3, slack=4.0))
     q.add_request(req("b", now - 1, slack=4.0))
     assert drain(q) == ["a", "b"]
+
+
+def test_a_failing_ordering_key_queues_the_request_plain_and_never_raises_into_vllm(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``add_request`` runs inside vLLM's ``Scheduler.add_request``: an exception there fails the
+    request (or the engine). A scorer that raises queues the request first come, first served."""
+
+    class Broken(SpatialScorer):
+        def order_key(self, meta: Any, **kwargs: Any) -> float:
+            if meta is not None:
+                raise RuntimeError("scorer bug")
+            return super().order_key(meta, **kwargs)
+
+    queue = ScoredRequestQueue(scorer=Broken(), clock=lambda: 100.0)
+    with caplog.at_level("ERROR", logger="vllm.tokencake.scheduler"):
+        for r in (req("b", 2.0, critical=True), req("a", 1.0, slack=5.0), req("p", 3.0, plain=True)):
+            queue.add_request(r)
+    assert drain(queue) == ["a", "b", "p"]  # all plain now: arrival order
+    assert sum("ordering key failed" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+    class Dead(SpatialScorer):
+        def order_key(self, meta: Any, **kwargs: Any) -> float:
+            raise RuntimeError("scorer bug")
+
+    dead = ScoredRequestQueue(scorer=Dead(), clock=lambda: 100.0)
+    for r in (req("y", 2.0), req("x", 1.0)):
+        dead.add_request(r)
+    assert drain(dead) == ["x", "y"]

@@ -155,7 +155,22 @@ class ScoredRequestQueue(RequestQueue):
             return False
 
     def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap, self._entry(request))
+        """Queue ``request`` by its key. This runs inside vLLM's ``add_request``: a failure to key
+        it (its metadata, the scorer) queues it as a plain request — first come, first served —
+        and is logged once; it never reaches vLLM, which would fail the request or the engine."""
+        try:
+            entry = self._entry(request)
+        except Exception:
+            if not getattr(self, "_key_failed", False):
+                self._key_failed = True
+                log.exception("TokenCake spatial scheduler: ordering key failed; queued as a plain request")
+            arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)
+            try:
+                key = self.scorer.order_key(None, arrival=arrival, preemptions=0, now=self.clock())
+            except Exception:
+                key = arrival
+            entry = (key, arrival, str(request.request_id), next(self._seq), None, request)
+        heapq.heappush(self._heap, entry)
 
     def pop_request(self) -> Request:
         if not self._heap:
