@@ -21,6 +21,7 @@ from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 import tokencake as tc
+from tokencake.agents import _session as _session_mod
 from tokencake.integrations.langgraph import TokenCakeMiddleware
 
 pytestmark = pytest.mark.anyio
@@ -276,6 +277,9 @@ async def test_models_without_extra_body_are_left_alone_and_say_so(wire):
 async def test_sessions_follow_the_models_server(monkeypatch):
     for name in ("TOKENCAKE_BASE_URL", "TOKENCAKE_EVENTS_URL"):
         monkeypatch.delenv(name, raising=False)
+    # An events listener answers on the model server's port + 1 (offline: none does, and a
+    # session whose derived events URL has no listener sends no events: ``_events_probe``).
+    monkeypatch.setattr(_session_mod, "missing_listener_sync", lambda url: None)
     server = tc.testing.ScriptedTransport("hello")  # no tool call: no stall event to deliver
     model = ChatOpenAI(
         model="m",

@@ -17,6 +17,7 @@ from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.toolsets import FunctionToolset
 
 import tokencake as tc
+from tokencake.agents import _session as _session_mod
 from tokencake.events import GraphMeta
 from tokencake.integrations.pydantic_ai import TokenCake, TokenCakeToolset
 
@@ -217,6 +218,9 @@ async def test_the_wrapper_toolset_alone_says_when_the_requests_carry_no_metadat
 async def test_sessions_follow_the_models_server(monkeypatch):
     for name in ("TOKENCAKE_BASE_URL", "TOKENCAKE_EVENTS_URL"):
         monkeypatch.delenv(name, raising=False)
+    # An events listener answers on the model server's port + 1 (offline: none does, and a
+    # session whose derived events URL has no listener sends no events: ``_events_probe``).
+    monkeypatch.setattr(_session_mod, "missing_listener_sync", lambda url: None)
     server = tc.testing.ScriptedTransport("hello")  # no tool call: no stall event to deliver
     client = openai.AsyncOpenAI(
         base_url="http://127.0.0.1:18400/v1", api_key="k", http_client=server.http_async_client()
