@@ -107,7 +107,7 @@ class Holds:
         """Release holds until ``enough()``, in eviction order (``_hold_rank``); returns how many.
 
         ``spare``: a session whose hold stays (the request asking for room is its own);
-        ``protect``: sessions whose holds stay (the critical reserve, ``_protected``).
+        ``protect``: sessions whose holds stay (the critical reserve, ``AdmissionControl._protected``).
         """
         released = 0
         for held in sorted(self.kept.values(), key=self._hold_rank, reverse=True):
@@ -120,7 +120,8 @@ class Holds:
         return released
 
     def _hold_rank(self, held: Keep) -> tuple[int, float]:
-        """Which hold yields first when room is needed: the highest rank (as ``_evict_rank``)."""
+        """Which hold yields first when room is needed: the highest rank (as a demoted chain's
+        ``EvictionOrder._evict_rank``)."""
         return demote_rank(critical=held.critical and self.core.critical_last, returns_at=held.rank)
 
     def reserved_blocks(self) -> int:

@@ -197,7 +197,7 @@ class ReqInfo:
     room_at_arrival: bool | None = None
     #: The node's slack in its app's DAG (seconds it can start late without delaying the app).
     slack_s: float = 0.0
-    #: It waited at least one step for the critical reserve (``_spare_critical_chains``).
+    #: It waited at least one step for the critical reserve (``CriticalWatch.spare_chains``).
     reserve_waited: bool = False
     #: Its admission waited for a prefetch of its session in flight (``demand_load.waited_for_prefetch``).
     waited_for_prefetch: bool = False
