@@ -1,6 +1,8 @@
-"""Scheduler-side half of the connector: the temporal policy acting on vLLM's block pool.
+"""``KVCore``: the KV mechanism's front — wiring, the step driver, and one line per hook handed to
+the component that owns the rule (see ``docs/architecture.md``, "The KV core and its two backends").
+The hooks are vLLM's connector hooks; the simulator calls them in vLLM's order too.
 
-Everything here runs on vLLM's engine thread (inside EngineCore), except :meth:`handle_event`
+In the vLLM backend all of it runs on the engine thread (inside EngineCore), except :meth:`handle_event`
 and :meth:`stats_snapshot`, which the events listener thread calls. The two threads share only
 thread-safe objects (``SessionTracker``, ``Stats``, the forecaster) and a wake-up callback; all
 block-pool and host-pool mutation happens on the engine thread, in the hooks vLLM calls:
