@@ -123,7 +123,7 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("tokencake", "reserve-arrival"),
     # Two replicas behind a router (issue 15): session affinity against round robin.
     ("replicas-affinity", "replicas-round-robin"),
-    # The spatial score's weights against the ones before 2026-12-05.
+    # The spatial score's weights against the earlier app-side-by-side weights.
     ("tokencake", "apps-side-by-side"),
     ("apps-side-by-side", "ideal"),
     ("tokencake", "static-slack"),

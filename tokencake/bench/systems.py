@@ -40,13 +40,13 @@ state.
                     a returning critical session's host-safe chain behind the other free blocks
 ``reserve-arrival`` ``tokencake`` whose critical-reserve wait (and the slack it is held against) counts
                     from the request's arrival, not from its first look at the head of the queue
-                    (connector ``critical_reserve_wait_from=arrival``: the rule before 2026-12-04)
-``apps-side-by-side`` ``tokencake`` with the spatial score's weights before 2026-12-05 (connector
+                    (connector ``critical_reserve_wait_from=arrival``: the earlier rule)
+``apps-side-by-side`` ``tokencake`` with the spatial score's earlier weights (connector
                     ``admission=apps-side-by-side``: apps that started seconds apart served side by side)
 ``static-slack``    ``tokencake`` with the SDK's slack fixed (connector ``admission=static-slack``): a
                     branch that queued past its slack is not moved to the critical path
-``remaining-depth-first`` ``tokencake`` with the DAG depth left as a credit, the order before
-                    2026-12-05's third change (connector ``admission=remaining-depth-first``): of apps
+``remaining-depth-first`` ``tokencake`` with the DAG depth left as a credit, the earlier
+                    order (connector ``admission=remaining-depth-first``): of apps
                     that started together, the one with more nodes left went first
 ``return-reserve``  ``tokencake`` with room kept ahead of returns forced on (connector
                     ``return_reserve=on``; ``auto``, the default, turns it on only where copies run
@@ -195,8 +195,8 @@ ALL_SYSTEMS: dict[str, SystemSpec] = {
         ),
         # With the ideal's KV nothing needs offloading, so tokencake-roomy / ideal is what the extension
         # itself costs (event handling, accounting, any needless copies) when there is no pressure. It is
-        # ``tokencake`` as served, spatial scheduler included (until 2026-12-04 it ran without it: the
-        # runs stored before then measured the connector under vLLM's priority scheduler).
+        # ``tokencake`` as served, spatial scheduler included (older stored runs of it measured the
+        # connector under vLLM's priority scheduler; CHANGELOG and git history say which).
         _extension(
             "tokencake-roomy",
             "vLLM + TokenCake with the ideal's KV size (no pressure): the extension's own cost",
