@@ -34,7 +34,7 @@ from tokencake.serving.event_api import EVENTS_API_KEY_ENV, is_loopback
 from tokencake.serving.model import DEFAULT_MODEL_NAME, ResolvedModel
 from tokencake.serving.policies import POLICY_NAMES
 from tokencake.serving.server_error import ServerError
-from tokencake.serving.tool_calling import tool_calling_args
+from tokencake.serving.tool_calling import is_bundled_dir, tool_calling_args
 
 #: Where vLLM loads our connector from (``kv_connector`` and ``kv_connector_module_path``).
 CONNECTOR_CLASS = "TokenCakeConnector"
@@ -213,14 +213,23 @@ class ServerConfig:
             self._cpu = not machine.cuda_available()
         return self._cpu
 
-    def cpu_float32(self) -> bool:
-        """Serve in float32: on a CPU without native bf16, unless ``--dtype`` is given explicitly.
+    def bundled(self) -> bool:
+        """True when the resolved model is the bundled SmolLM2 (by name, or a prepared copy by path)."""
+        resolved = self.resolved
+        return resolved is not None and (resolved.is_default or is_bundled_dir(resolved.source))
 
-        Both systems of a comparison get the same dtype (the rule depends on the machine only).
+    def cpu_float32(self) -> bool:
+        """Serve in float32 on the CPU backend unless ``--dtype`` is given explicitly: the bundled
+        model on every CPU, any other model on a CPU without native bf16.
+
+        The bundled model is small enough that quality comes first: in bf16 on an AMX host it
+        answered "What is the capital of France?" with "L'Étoile, …" (float32: Paris). Without native
+        bf16, vLLM-CPU's bf16 linear layers take a slow path (``machine.cpu_has_bf16``). Both
+        systems of a comparison get the same dtype (the rule depends on model and machine only).
         """
         if not self.is_cpu() or _flag_value(self.extra_args, "--dtype") is not None:
             return False
-        return not machine.cpu_has_bf16()
+        return self.bundled() or not machine.cpu_has_bf16()
 
     def connector_extra_config(self) -> dict[str, Any]:
         """``kv_connector_extra_config`` for the TokenCake connector (keys: docs/architecture.md).
@@ -287,7 +296,7 @@ class ServerConfig:
         if kv_gib is not None:
             args += ["--kv-cache-memory-bytes", str(int(kv_gib * GIB))]
         args += tool_calling_args(
-            bundled=self.resolved.is_default,
+            bundled=self.bundled(),
             model_dir=self.resolved.source,
             parser=self.tool_call_parser,
             chat_template=self.chat_template,
