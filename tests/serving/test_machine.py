@@ -1,4 +1,4 @@
-"""Machine probes: native bf16 from the CPU flags, and free port pairs."""
+"""Machine probes: native bf16 from the CPU flags, importable modules, and free port pairs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from tokencake.events import EVENTS_PORT_OFFSET
 from tokencake.serving import machine
-from tokencake.serving.machine import cpu_has_bf16, find_free_port, port_is_free
+from tokencake.serving.machine import cpu_has_bf16, find_free_port, module_installed, port_is_free
 
 
 def test_cpu_bf16_detection_reads_cpu_flags() -> None:
@@ -27,6 +27,12 @@ def test_cpu_bf16_detection_reads_cpuinfo(tmp_path: Path, monkeypatch: pytest.Mo
     assert cpu_has_bf16()
     cpuinfo.unlink()
     assert cpu_has_bf16()  # unreadable: keep vLLM's default dtype
+
+
+def test_module_installed() -> None:
+    assert module_installed("json")
+    assert not module_installed("tokencake_no_such_module")
+    assert not module_installed("json.no_such_submodule")
 
 
 def test_find_free_port_pair() -> None:

@@ -15,6 +15,7 @@ from tokencake.serving import server_config as cfgmod
 from tokencake.serving.event_api import EVENTS_API_KEY_ENV
 from tokencake.serving.model import ResolvedModel
 from tokencake.serving.server import Server, ServerError
+from tokencake.serving.tool_calling import BUNDLED_PARSER, FORCED_UNAVAILABLE_ENV, PARSER_PLUGIN
 
 
 def _resolved(server: Server, source: str = "/models/m", name: str = "m") -> Server:
@@ -296,7 +297,8 @@ def test_tool_calling_flags_for_the_bundled_model_and_others(cpu: None) -> None:
     bundled = Server(port=1)
     bundled.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
     args = bundled.vllm_args()
-    assert "--enable-auto-tool-choice" in args and _flag(args, "--tool-call-parser") == "hermes"
+    assert "--enable-auto-tool-choice" in args and _flag(args, "--tool-call-parser") == BUNDLED_PARSER
+    assert _flag(args, "--tool-parser-plugin") == PARSER_PLUGIN
     assert _flag(args, "--chat-template").endswith("smollm2_tools.jinja")
     for baseline in (False, True):  # stock and extension servers speak the same API
         assert (
@@ -307,6 +309,33 @@ def test_tool_calling_flags_for_the_bundled_model_and_others(cpu: None) -> None:
     off = Server(port=1, tool_call_parser="none")
     off.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
     assert "--enable-auto-tool-choice" not in off.vllm_args()
+
+
+def test_a_server_that_cannot_constrain_forced_calls_says_why(
+    cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reason reaches the vLLM process (whose bundled parser answers forced turns with 400)."""
+    monkeypatch.setenv(FORCED_UNAVAILABLE_ENV, "stale, from the caller")
+
+    def bundled(*extra: str, **kw: object) -> Server:
+        server = Server(port=1, extra_args=list(extra), **kw)  # type: ignore[arg-type]
+        server.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
+        return server
+
+    ok = bundled()
+    assert ok.forced_tool_choice_problem() is None and FORCED_UNAVAILABLE_ENV not in ok.child_env()
+    for server in (
+        bundled("--structured-outputs-config", '{"backend": "outlines"}'),
+        bundled("--structured-outputs-config.backend=lm-format-enforcer"),
+        bundled("--structured-outputs-config", '{"backend": "outlines"}', baseline=True),
+    ):
+        problem = server.forced_tool_choice_problem()
+        assert problem is not None and "cannot compile a tool call's grammar" in problem
+        assert server.child_env()[FORCED_UNAVAILABLE_ENV] == problem
+    # Not the bundled parser: nothing of ours answers the request, so nothing to pass on.
+    stock = bundled("--structured-outputs-config", '{"backend": "outlines"}', tool_call_parser="hermes")
+    assert stock.forced_tool_choice_problem() is None
+    assert FORCED_UNAVAILABLE_ENV not in Server(port=1).child_env()  # model not resolved yet
 
 
 def test_policy_reaches_the_connector_and_a_bad_one_is_refused() -> None:

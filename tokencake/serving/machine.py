@@ -62,12 +62,17 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def vllm_installed() -> bool:
-    """True when ``vllm`` is importable (checked without importing it: that takes seconds)."""
+def module_installed(name: str) -> bool:
+    """True when module ``name`` is importable (checked without importing it)."""
     try:
-        return importlib.util.find_spec("vllm") is not None
+        return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+def vllm_installed() -> bool:
+    """True when ``vllm`` is importable (checked without importing it: that takes seconds)."""
+    return module_installed("vllm")
 
 
 def cuda_available() -> bool:
@@ -132,6 +137,7 @@ __all__ = [
     "cuda_available",
     "find_free_port",
     "http_url",
+    "module_installed",
     "port_is_free",
     "vllm_installed",
 ]
