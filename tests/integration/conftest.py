@@ -23,9 +23,8 @@ from tokencake.serving import ModelError, Server, ServerError, find_gguf
 from tokencake.serving.machine import vllm_installed
 
 #: Settings shared by the extension and the baseline server (and by tests that start their own).
-#: float32 pinned: ``tokencake serve`` picks bf16 on CPUs with native bf16 (AMX / avx512_bf16), where
-#: SmolLM2-135M's greedy answers change (no "Paris" on such a host, 2026-12-05); the tests compare
-#: greedy answers, so every host serves them in the same dtype.
+#: float32 pinned explicitly: the tests compare greedy answers, which change with the dtype, so every
+#: host serves them in the same one whatever the default dtype rule picks (``serving/machine.py``).
 SERVER_SETTINGS: dict[str, Any] = {
     "num_gpu_blocks": 40,
     "max_model_len": 4096,

@@ -127,10 +127,11 @@ def _cli_env(tmp_path: Path) -> dict[str, str]:
 
 
 def _serve_cmd(port: int, *more: str) -> list[str]:
+    """``tokencake serve`` with its default flags (dtype included) on a small device KV."""
     # --model: the already prepared default model, so the tmp TOKENCAKE_HOME needs no conversion
     model = str(default_model_dir())
     return [sys.executable, "-m", "tokencake", "serve", "--model", model, "--port", str(port),
-            "--num-gpu-blocks", "40", *more, "--", "--dtype", "float32"]  # fmt: skip
+            "--num-gpu-blocks", "40", *more]  # fmt: skip
 
 
 def _wait_models(port: int, proc: subprocess.Popen[str] | None, timeout: float = 600.0) -> float:
@@ -178,6 +179,12 @@ def test_killing_serve_leaves_no_vllm_process(
     )
     try:
         timing[f"tokencake serve (CLI) ready, {sig.name} test"] = _wait_models(port, proc)
+        # Default flags answer well on this host, whatever its CPU flags (bf16 did not say Paris).
+        base = f"http://127.0.0.1:{port}/v1"
+        model = httpx.get(base + "/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "messages": PARIS, "temperature": 0.0, "max_tokens": 40}
+        reply = httpx.post(base + "/chat/completions", json=body, timeout=120.0)
+        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
         tree = psutil.Process(proc.pid).children(recursive=True)
         titles = " ".join(" ".join(p.cmdline()) for p in tree)
         assert "vllm.entrypoints.openai.api_server" in titles and "EngineCore" in titles, titles

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
 from tokencake.serving import Server
 
 pytestmark = pytest.mark.integration
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "forced_tool_calls.py"
+_spec = importlib.util.spec_from_file_location("forced_tool_calls", _BENCH)
+assert _spec is not None and _spec.loader is not None
+forced = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(forced)
 
 TOOLS = [
     {
@@ -72,3 +81,37 @@ def test_a_conversation_holding_tool_results_continues(tokencake_server: Server)
     )
     assert reply.usage is not None and reply.usage.prompt_tokens > 60  # tools + call + result rendered
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+#: Forced turns of ``benchmarks/forced_tool_calls.py`` (its 50 turns: the acceptance measurement):
+#: required and named, one to three tools, enums, bounded integers, arrays, a nested object.
+FORCED_TURNS = (0, 3, 4, 10, 27, 31, 33, 46)
+
+
+def test_forced_tool_choice_gives_schema_valid_calls(tokencake_server: Server) -> None:
+    """``tool_choice="required"`` and a named function: every reply is a call whose arguments
+    validate against the tool's schema (unconstrained, the bundled model wrote ``<tool_call>``
+    text with arguments outside the schema until ``max_tokens``)."""
+    oai = client(tokencake_server)
+    for turn in FORCED_TURNS:
+        body = forced.turn_request(turn, tokencake_server.model)
+        reply = oai.chat.completions.create(**body).model_dump()
+        assert forced.check_reply(body, reply) is None, (turn, reply["choices"][0])
+        assert not reply["choices"][0]["message"]["content"]  # the call is parsed, no raw tags left
+
+
+def test_a_forced_call_streams(tokencake_server: Server) -> None:
+    body = forced.turn_request(4, tokencake_server.model)  # place_order: a nested address object
+    stream = client(tokencake_server).chat.completions.create(**body, stream=True)
+    names, arguments, text = [], "", ""
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        for call in delta.tool_calls or []:
+            if call.function and call.function.name:
+                names.append(call.function.name)
+            arguments += (call.function.arguments or "") if call.function else ""
+    assert names == ["place_order"] and "<tool_call>" not in text
+    jsonschema.validate(json.loads(arguments), body["tools"][0]["function"]["parameters"])

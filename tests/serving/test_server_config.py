@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from tokencake.serving import server_config as cfgmod
 from tokencake.serving.event_api import EVENTS_API_KEY_ENV
 from tokencake.serving.model import ResolvedModel
 from tokencake.serving.server import Server, ServerError
+from tokencake.serving.tool_calling import BUNDLED_PARSER, FORCED_UNAVAILABLE_ENV, PARSER_PLUGIN
 
 
 def _resolved(server: Server, source: str = "/models/m", name: str = "m") -> Server:
@@ -106,6 +108,53 @@ def test_cpu_without_native_bf16_serves_float32(cpu: None, monkeypatch: pytest.M
     # An explicit --dtype wins, and appears once.
     args = _resolved(Server(port=1, extra_args=["--dtype", "bfloat16"])).vllm_args()
     assert args.count("--dtype") == 1 and _flag(args, "--dtype") == "bfloat16"
+
+
+#: ``/proc/cpuinfo`` flags of an AVX2-only host and of a host with native bf16 (AVX-512 bf16 + AMX).
+CPU_FLAGS = {
+    "avx2-only": "fpu vme de pse tsc msr sse sse2 ssse3 fma cx16 sse4_1 sse4_2 popcnt aes avx f16c avx2 bmi2",
+    "bf16-amx": "fpu sse sse2 ssse3 fma sse4_2 avx f16c avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile",
+}
+
+
+@pytest.mark.parametrize("host", sorted(CPU_FLAGS))
+def test_default_dtype_choice_on_both_cpu_flag_sets(
+    host: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundled model is served in float32 on every CPU: in bf16 it does not answer "Paris" to
+    the capital of France on a native-bf16 host. Other models keep the speed rule (float32 only
+    without native bf16), and ``--dtype`` wins everywhere. The machine's own CPU flags are read."""
+    monkeypatch.setattr(machine, "cuda_available", lambda: False)
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {CPU_FLAGS[host]}\n")
+    monkeypatch.setattr(machine, "CPUINFO", cpuinfo)
+    assert machine.cpu_has_bf16() == (host == "bf16-amx")
+    marked = tmp_path / "smollm2"  # a prepared copy of the bundled model, given by path
+    marked.mkdir()
+    (marked / "tokencake-model.json").write_text(json.dumps({"name": "smollm2-135m-instruct"}))
+    for resolved in (
+        ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True),
+        ResolvedModel(str(marked), "smollm2"),
+    ):
+        server = Server(port=1)
+        server.resolved = resolved
+        args = server.vllm_args()
+        assert _flag(args, "--dtype") == "float32", resolved
+        assert int(_flag(args, "--kv-cache-memory-bytes")) == 2 * cfgmod.GIB  # as many blocks as bf16
+    other = _resolved(Server(port=1)).vllm_args()
+    assert _flag(other, "--dtype") == "float32" if host == "avx2-only" else "--dtype" not in other
+    for dtype in ("bfloat16", "auto"):
+        fast = Server(port=1, extra_args=["--dtype", dtype])
+        fast.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
+        args = fast.vllm_args()
+        assert args.count("--dtype") == 1 and _flag(args, "--dtype") == dtype
+
+
+def test_a_gpu_keeps_vllms_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(machine, "cuda_available", lambda: True)
+    server = Server(port=1)
+    server.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
+    assert "--dtype" not in server.vllm_args()
 
 
 def test_gpu_default_leaves_kv_size_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,7 +297,8 @@ def test_tool_calling_flags_for_the_bundled_model_and_others(cpu: None) -> None:
     bundled = Server(port=1)
     bundled.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
     args = bundled.vllm_args()
-    assert "--enable-auto-tool-choice" in args and _flag(args, "--tool-call-parser") == "hermes"
+    assert "--enable-auto-tool-choice" in args and _flag(args, "--tool-call-parser") == BUNDLED_PARSER
+    assert _flag(args, "--tool-parser-plugin") == PARSER_PLUGIN
     assert _flag(args, "--chat-template").endswith("smollm2_tools.jinja")
     for baseline in (False, True):  # stock and extension servers speak the same API
         assert (
@@ -259,6 +309,33 @@ def test_tool_calling_flags_for_the_bundled_model_and_others(cpu: None) -> None:
     off = Server(port=1, tool_call_parser="none")
     off.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
     assert "--enable-auto-tool-choice" not in off.vllm_args()
+
+
+def test_a_server_that_cannot_constrain_forced_calls_says_why(
+    cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reason reaches the vLLM process (whose bundled parser answers forced turns with 400)."""
+    monkeypatch.setenv(FORCED_UNAVAILABLE_ENV, "stale, from the caller")
+
+    def bundled(*extra: str, **kw: object) -> Server:
+        server = Server(port=1, extra_args=list(extra), **kw)  # type: ignore[arg-type]
+        server.resolved = ResolvedModel("/models/smollm2", "smollm2-135m-instruct", is_default=True)
+        return server
+
+    ok = bundled()
+    assert ok.forced_tool_choice_problem() is None and FORCED_UNAVAILABLE_ENV not in ok.child_env()
+    for server in (
+        bundled("--structured-outputs-config", '{"backend": "outlines"}'),
+        bundled("--structured-outputs-config.backend=lm-format-enforcer"),
+        bundled("--structured-outputs-config", '{"backend": "outlines"}', baseline=True),
+    ):
+        problem = server.forced_tool_choice_problem()
+        assert problem is not None and "cannot compile a tool call's grammar" in problem
+        assert server.child_env()[FORCED_UNAVAILABLE_ENV] == problem
+    # Not the bundled parser: nothing of ours answers the request, so nothing to pass on.
+    stock = bundled("--structured-outputs-config", '{"backend": "outlines"}', tool_call_parser="hermes")
+    assert stock.forced_tool_choice_problem() is None
+    assert FORCED_UNAVAILABLE_ENV not in Server(port=1).child_env()  # model not resolved yet
 
 
 def test_policy_reaches_the_connector_and_a_bad_one_is_refused() -> None:

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from tokencake.serving import machine
 from tokencake.serving.tool_calling import (
     BUNDLED_PARSER,
+    PARSER_PLUGIN,
     bundled_template_path,
+    forced_choice_problem,
     parser_for_model,
     tool_calling_args,
 )
@@ -109,14 +112,16 @@ def test_tools_calls_and_results_are_rendered(template: str) -> None:
 
 
 def test_the_bundled_parser_reads_what_the_template_teaches(template: str) -> None:
-    """vLLM's hermes parser extracts the call format the template shows the model."""
-    parsers = pytest.importorskip("vllm.tool_parsers.hermes_tool_parser")
+    """The bundled parser, loaded as vLLM loads it from the flags, extracts the call format the
+    template shows the model."""
+    manager = pytest.importorskip("vllm.tool_parsers.abstract_tool_parser").ToolParserManager
+    manager.import_tool_parser(PARSER_PLUGIN)
 
     class Tok:  # the parser only needs a tokenizer object and its vocabulary
         def get_vocab(self) -> dict[str, int]:
             return {}
 
-    parser = parsers.Hermes2ProToolParser(Tok())
+    parser = manager.get_tool_parser(BUNDLED_PARSER)(Tok())
     shown = render(template, [{"role": "user", "content": "x"}], tools=TOOLS)
     example = shown[shown.index("<tool_call>\n{") : shown.rindex("</tool_call>") + len("</tool_call>")]
     out = parser.extract_tool_calls(
@@ -130,6 +135,8 @@ def test_the_bundled_parser_reads_what_the_template_teaches(template: str) -> No
 def test_flags_by_model(tmp_path: Path) -> None:
     args = tool_calling_args(bundled=True, model_dir=tmp_path)
     assert args == [
+        "--tool-parser-plugin",
+        PARSER_PLUGIN,
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         BUNDLED_PARSER,
@@ -146,17 +153,37 @@ def test_flags_by_model(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # SmolLM2's architecture
     assert tool_calling_args(bundled=False, model_dir=tmp_path) == []  # no Llama 3 tool tokens assumed
     (tmp_path / "tokencake-model.json").write_text(json.dumps({"name": "smollm2-135m-instruct"}))
-    assert tool_calling_args(bundled=False, model_dir=tmp_path)[2] == BUNDLED_PARSER  # given by path
+    assert tool_calling_args(bundled=False, model_dir=tmp_path)[4] == BUNDLED_PARSER  # given by path
     (tmp_path / "tokencake-model.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert tool_calling_args(bundled=False, model_dir=tmp_path) == []  # unknown family: the user says
     assert tool_calling_args(bundled=False, model_dir=tmp_path, parser="pythonic")[-1] == "pythonic"
     assert tool_calling_args(bundled=True, model_dir=tmp_path, parser="none") == []
     assert tool_calling_args(bundled=True, model_dir=tmp_path, chat_template="t.jinja")[-1] == "t.jinja"
+    # The bundled parser named explicitly (for another model) comes with the plugin that registers it.
+    assert tool_calling_args(bundled=False, model_dir=tmp_path, parser=BUNDLED_PARSER)[:2] == [
+        "--tool-parser-plugin",
+        PARSER_PLUGIN,
+    ]
+    assert "--tool-parser-plugin" not in tool_calling_args(bundled=True, model_dir=tmp_path, parser="hermes")
     # Explicit vLLM flags win: nothing added twice.
-    assert (
-        tool_calling_args(bundled=True, model_dir=tmp_path, extra_args=["--tool-call-parser=llama3_json"])
-        == []
-    )
+    for own in (["--tool-call-parser=llama3_json"], ["--tool-parser-plugin", "my.parser"]):
+        assert tool_calling_args(bundled=True, model_dir=tmp_path, extra_args=own) == []
     (tmp_path / "config.json").write_text("{not json")
     assert parser_for_model(tmp_path) is None
+
+
+def test_forced_choice_problem_by_structured_outputs_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced calls need a backend that compiles vLLM's structural tags, and its library."""
+    monkeypatch.setattr(machine, "module_installed", lambda name: True)
+    served = ((None, None), ('{"backend": "xgrammar"}', None), (None, "guidance"), ("{}", None))
+    for config, backend in served:
+        assert forced_choice_problem(config, backend) is None, (config, backend)
+    for config, backend in (('{"backend": "outlines"}', None), (None, "lm-format-enforcer")):
+        assert "cannot compile a tool call's grammar" in str(forced_choice_problem(config, backend))
+    assert forced_choice_problem('{"backend": "outlines"}', "xgrammar") is None  # vLLM applies .backend last
+    monkeypatch.setattr(machine, "module_installed", lambda name: name != "xgrammar")
+    assert "pip install xgrammar" in str(forced_choice_problem())
+    monkeypatch.setattr(machine, "module_installed", lambda name: name != "llguidance")
+    assert forced_choice_problem() is None
+    assert "pip install llguidance" in str(forced_choice_problem(backend="guidance"))

@@ -370,6 +370,9 @@ def _print_ready(server: Any) -> None:
     if server.events_url:
         print(f"  events URL: {server.events_url}")
     print(f"  log:        {server.log_path}")
+    problem = server.forced_tool_choice_problem()
+    if problem:
+        print(f"  warning:    tool_choice 'required' / named function refused (HTTP 400): {problem}")
     print(f"  export TOKENCAKE_BASE_URL={server.base_url}", flush=True)
 
 

