@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
+from typing import IO
 
 
 def group_alive(pgid: int) -> bool:
@@ -69,4 +71,18 @@ def stop_process_group(pgid: int, leader: int | None = None, *, grace: float = 3
     return not group_alive(pgid)
 
 
-__all__ = ["group_alive", "stop_process_group"]
+def stop_child(proc: subprocess.Popen[bytes] | None, log: IO[bytes] | None, *, grace: float) -> None:
+    """Stop a watchdog-led child started in its own process group, reap it, close its log file.
+
+    Either argument may be None (nothing started, or already stopped): safe to call twice.
+    """
+    if proc is not None:
+        stop_process_group(proc.pid, proc.pid, grace=grace)
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=1)
+    if log is not None:
+        with contextlib.suppress(OSError):
+            log.close()
+
+
+__all__ = ["group_alive", "stop_child", "stop_process_group"]

@@ -22,7 +22,6 @@ traffic elsewhere). Readiness is ``GET /v1/models`` through the router, with the
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -35,7 +34,7 @@ from typing import IO
 import httpx
 
 from tokencake.serving.machine import client_host, find_free_port, http_url
-from tokencake.serving.process_group import stop_process_group
+from tokencake.serving.process_group import stop_child
 from tokencake.serving.server_error import ServerError
 
 __all__ = [
@@ -241,11 +240,5 @@ class Router:
     def stop(self) -> None:
         """Stop it and its watchdog (idempotent)."""
         proc, self._proc = self._proc, None
-        if proc is not None:
-            stop_process_group(proc.pid, proc.pid, grace=self.grace + 5.0)
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=1)
-        if self._log is not None:
-            with contextlib.suppress(OSError):
-                self._log.close()
-            self._log = None
+        log, self._log = self._log, None
+        stop_child(proc, log, grace=self.grace + 5.0)

@@ -30,7 +30,7 @@ import httpx
 from tokencake.events import HEALTH_PATH, STATS_PATH
 from tokencake.serving.machine import find_free_port, port_is_free
 from tokencake.serving.model import ModelError, resolve_model, tokencake_home
-from tokencake.serving.process_group import stop_process_group
+from tokencake.serving.process_group import stop_child, stop_process_group
 from tokencake.serving.prometheus import parse_prometheus
 from tokencake.serving.server_config import (
     CONNECTOR_CLASS,
@@ -207,14 +207,8 @@ class Server(ServerConfig):
     def stop(self) -> None:
         """Stop the server and every process it started. Idempotent."""
         proc, self._proc = self._proc, None
-        if proc is not None:
-            stop_process_group(proc.pid, proc.pid, grace=self.kill_after + 5.0)
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=1)
-        if self._log_fh is not None:
-            with contextlib.suppress(OSError):
-                self._log_fh.close()
-            self._log_fh = None
+        log, self._log_fh = self._log_fh, None
+        stop_child(proc, log, grace=self.kill_after + 5.0)
 
     def detach(self) -> dict[str, Any]:
         """Forget the process without stopping it; returns what ``stop_process_group`` needs."""
