@@ -1291,6 +1291,19 @@ def test_an_announced_stall_that_never_begins_releases_its_saved_copies(
     assert all(side.host.lookup(h) is not None for h in hashes)  # still cached for a later hit
 
 
+def test_early_save_off_copies_nothing_at_finish(pool: BlockPool, clock: Clock) -> None:
+    """``early_save=false`` switches the at-finish save off: no copy until the stall itself."""
+    side = make_side(pool, clock, prefetch=False, early_save=False)
+    hashes = chain("t", 4)
+    finish_turn(side, pool, hashes, next_tool=10.0)  # announced: the save would copy here
+    assert side.build_meta().jobs == []
+    assert side.stats.counter("early_save.jobs") == 0
+    assert side.stats.counter("early_save.decision.disabled") == 1
+    side.handle_event(begin(predicted=10.0))
+    (job,) = side.build_meta().jobs  # the stall's own offload still runs
+    assert job.kind == "offload"
+
+
 def test_stall_begin_during_early_save_does_not_copy_twice(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch=False)
     hashes = chain("u", 3)

@@ -250,8 +250,8 @@ class OffloadPlanning:
             announced=nxt is not None,
         )
         plan = self.core.policy.on_finished(view)
-        if plan.action == "offload" and not self.core.opts.offload:
-            plan = Plan("none", "disabled")
+        if plan.action == "offload" and not (self.core.opts.offload and self.core.opts.early_save):
+            plan = Plan("none", "disabled")  # the at-finish save is switched off: the stall copies
         self.core.stats.inc(f"early_save.decision.{plan.reason}")
         self.count_plan("finish", plan)
         if session_id:
