@@ -24,9 +24,10 @@ claims:
 
 Every wait is bounded: kept room and a pass whose freed blocks went to a running request hold a
 request back at most ``Options.admission_wait_s`` after vLLM first looked at it
-(:func:`within_wait_bound`); the critical reserve at most its node's slack and
-``Options.critical_reserve_wait_s``; a request for its own session's prefetch copy at most
-``Options.prefetch_wait_s``. Past its bound a request goes on as vLLM would admit it. Pure Python.
+(:func:`within_wait_bound`); the critical reserve at most ``Options.critical_reserve_wait_s``
+(a wait for it also ends with the node's slack, ``AdmissionControl.within_slack``); a request
+for its own session's prefetch copy at most ``Options.prefetch_wait_s``. Past its bound a request
+goes on as vLLM would admit it. Pure Python.
 """
 
 from __future__ import annotations

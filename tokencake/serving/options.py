@@ -65,8 +65,8 @@ class Options:
     #: Where that wait (and the node's slack it is held against) is counted from: ``"head"`` (the
     #: scheduler's first look at the request: queueing that delays every request, critical ones
     #: too, does not spend the slack; only the wait the reserve itself adds does) or ``"arrival"``
-    #: (time queued behind others uses the slack up; before 2026-12-04, bench system
-    #: ``reserve-arrival``). docs/policy.md §7.
+    #: (time queued behind others uses the slack up; bench system ``reserve-arrival``).
+    #: docs/policy.md §7.
     critical_reserve_wait_from: str = "head"
     #: With ``critical_last``: an admission past its slack (which may not wait for the reserve)
     #: still evicts other free blocks before a returning critical-path session's host-safe chain

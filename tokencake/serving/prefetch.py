@@ -8,9 +8,10 @@ observed ratios actual / predicted duration — per (agent type, tool) once it h
 stalls, else over all stalls, else ``prior_ratio``: a forecast is a median at best (hints are
 medians, tool times are heavy-tailed), and aiming at the median is late for half the stalls.
 ``return_quantile=None`` aims at the forecast itself (``r_q = 1``). A ``stall_end`` earlier than
-the due time makes it due at once. Prefetched blocks sit in the device prefix cache at the
-evictable end, never pinned; if they are evicted while the tool still runs, the upload is due
-again (at most ``max_prefetches`` uploads per stall). If no end arrives by
+the due time makes it due at once. Prefetched blocks are held on device until their request is
+admitted (``hold_prefetched``, yielding to admissions and running requests; without it they sit
+unpinned at the evictable end of the prefix cache); if they are evicted while the tool still runs,
+the upload is due again (at most ``max_prefetches`` uploads per stall). If no end arrives by
 ``clamp(4 × predicted, 60 s, 1 h)`` the stall expires and its host pins should be released. A
 stall that concurrent tool calls of one session share is timed by the last of them (``retime``).
 

@@ -61,30 +61,29 @@ node has, so the order is, in turn,
   found the pool full, ``docs/simulation.md`` §6.3–§6.4) and per preemption (``per_preemption_s``,
   at most 5); and 0.5 s of slack per node of DAG depth still behind the request (at most 20),
   so of two apps that started together the one with fewer nodes left goes first — shortest
-  remaining first, what a mean over apps rewards. Until 2026-12-05's third change the depth left
-  was a credit (admission order ``remaining-depth-first``): on the contended catalog mix, whose two
-  apps arrive together, every critical request of the 20-node Code-Writer went before the 5-node
-  Deep-Research's, which ended 8–11 % slower than with vLLM's priority order in every round
-  (``docs/policy.md`` §7). Within one app the critical path already goes first, and the depth left
-  only orders branches that have slack;
+  remaining first, what a mean over apps rewards. With the depth left as a credit instead
+  (admission order ``remaining-depth-first``), on a contended mix of two apps that arrive together
+  every critical request of the 20-node Code-Writer went before the 5-node Deep-Research's, which
+  then ended slower than with vLLM's priority order (``CHANGELOG.md``). Within one app the critical
+  path already goes first, and the depth left only orders branches that have slack;
 * **the critical path is the one the app is on now, not only the one planned**: the SDK's slack
   says how far a branch may fall behind the critical path before it delays the app; every second
   its session queued here beyond what the app's critical-path sessions queued spends a second of
   it (``lag_spends_slack``), and a branch that has spent it all ranks as critical from its next
   request on. (Queueing alike spends nothing: the whole app is late then, not the branch.) With
   the slack fixed (admission order ``static-slack``), an app's "non-critical" worker that kept
-  losing the queue to younger apps' critical requests became its slowest: in the simulator's 14
-  mixes the dynamic rule is 0.976 × the fixed one in geometric mean (0.88–1.03) (``docs/policy.md`` §7);
+  losing the queue to younger apps' critical requests became its slowest (the simulator's mixes
+  favour the dynamic rule in geometric mean; ``CHANGELOG.md``);
 * **then arrival** (``aging`` 0.01 s per second of waiting): slow, because it only has to bound
   starvation (every faster aging lost to vLLM's priority order in the simulator: 0.25 s/s, 1.04 ×
   geometric mean, up to 1.30 ×).
 
-Until 2026-12-05 the app's age counted 0.1 s per second against 10 s credits for held or saved
-chains (admission order ``apps-side-by-side``, bench system of the same name): apps that started a
-few seconds apart were served side by side, and a fresh request — the oldest app's join, a worker's
-first turn — waited behind every younger app's returning one. On a real fan-in draw with a device
-that holds three or four sessions (``unseen-real-6``) one app's first turns waited 43 s and every
-app finished late.
+Why the app's age weighs a full second per second: with 0.1 s per second against 10 s credits for
+held or saved chains (admission order ``apps-side-by-side``, bench system of the same name), apps
+that started a few seconds apart are served side by side, and a fresh request — the oldest app's
+join, a worker's first turn — waits behind every younger app's returning one; on a fan-in draw with
+a device that holds three or four sessions one app's first turns waited 43 s and every app
+finished late.
 
 The KV policy chooses the weights (:func:`admission_weights` of its ``admission``, unless the
 deployment names one: connector option ``admission``): TokenCake's policy the score above;
@@ -152,7 +151,7 @@ class SpatialWeights:
     #: may fall behind the critical path, so when its session has waited in this queue longer than
     #: the app's critical-path sessions did, the difference comes off its slack — and a branch that
     #: has spent it all is on the critical path now (the static path was only the plan). 0: the
-    #: slack the SDK sent, fixed (the order before 2026-12-05's second change).
+    #: slack the SDK sent, fixed (admission order ``static-slack``).
     lag_spends_slack: float = 1.0
     #: Else its last chain is saved on host (at least half of it, from the head): it resumes with a
     #: load instead of a prefill, and — where its stall's plan pins them (an offloaded stall) — its
@@ -184,8 +183,8 @@ class SpatialWeights:
 #: Admission orders a KV policy can ask for (``KVPolicy.admission``).
 ADMISSIONS: dict[str, SpatialWeights] = {
     "spatial": SpatialWeights(),
-    # The spatial score's weights until 2026-12-05: the app's age 0.1 s per second against 10 s
-    # credits, so apps that started seconds apart were served side by side (an ablation).
+    # An ablation: the app's age 0.1 s per second against 10 s credits, so apps that started
+    # seconds apart are served side by side.
     "apps-side-by-side": SpatialWeights(
         critical_s=40.0,
         aging=0.05,
@@ -197,8 +196,8 @@ ADMISSIONS: dict[str, SpatialWeights] = {
     ),
     # The spatial score with the SDK's slack fixed: a branch that fell behind stays non-critical.
     "static-slack": SpatialWeights(lag_spends_slack=0.0),
-    # The spatial score with the DAG depth left as a credit (the order before 2026-12-05's third
-    # change): of apps that started together, the one with more nodes left goes first.
+    # The spatial score with the DAG depth left as a credit (an ablation): of apps that started
+    # together, the one with more nodes left goes first.
     "remaining-depth-first": SpatialWeights(fewer_left_first=False),
     # Continuum: FCFS, but a program whose KV is retained (a TTL pin) is scheduled first.
     "continuum": SpatialWeights(

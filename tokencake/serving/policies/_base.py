@@ -11,7 +11,7 @@ the last answer was a retryable no). It carries the answer out on vLLM's block p
              device copies first in vLLM's eviction queue once the host copy is confirmed.
 ``keep``     hold the session's device blocks (a reference vLLM cannot evict) for ``keep_s`` seconds,
              until the session's next request is admitted, or until the engine cannot make progress
-             without them (earliest deadline first).
+             without them (then the latest return yields first, critical-path sessions' last).
 ``discard``  nothing is copied; the idle device blocks go first in the eviction queue.
 ``none``     nothing: vLLM's LRU decides.
 

@@ -9,7 +9,7 @@ queueing delay of requests (what a returning request waits if it must queue for 
 ``R`` the cost of getting the KV back without the pin (recompute from the prefill profile, or the
 host → device copy when a host copy exists) and ``η`` a weight (1). Before any history:
 ``τ = max(0, ln(η · T + R))``. The pin is soft: the connector drops it when the session's next
-request is admitted, when the TTL runs out, or — earliest deadline first — when the engine cannot
+request is admitted, when the TTL runs out, or — latest return first — when the engine cannot
 make progress without the blocks. Nothing is offloaded. (Continuum also prefers waiting requests
 whose program has retained KV; that needs a scheduler, not a connector: see issue 12.)
 """
