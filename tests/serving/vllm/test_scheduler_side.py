@@ -616,6 +616,19 @@ def test_provenance_blames_hits_on_blocks_a_host_copy_wrote(pool: BlockPool, clo
     assert side.demand.copied == {}
 
 
+def test_a_policy_without_demand_load_loads_nothing(pool: BlockPool, clock: Clock) -> None:
+    """``KVPolicy.demand_load = False`` (the ``stock`` policy): a device miss is not served from host."""
+    side = make_side(pool, clock, prefetch=False)
+    hashes = chain("d", 4)
+    offloaded_then_evicted(side, pool, hashes)
+    side.handle_event(end())
+    side.build_meta()
+    side.policy.demand_load = False
+    req = request("r2", [*hashes, *chain("new", 1)], 5 * BS + 2)
+    side.on_new_request(req)
+    assert ask(side, req, 0) == 0
+
+
 def test_demand_load_leaves_one_token_to_compute(pool: BlockPool, clock: Clock) -> None:
     side = make_side(pool, clock, prefetch=False)
     hashes = chain("e", 3)

@@ -125,7 +125,9 @@ class DemandLoad:
     def host_hits(self, request: RequestView, first: int) -> tuple[list[bytes], list[int]]:
         """The hashes and host slots of the request's blocks from block ``first`` on that the host
         pool has, unbroken, leaving a token to compute (vLLM needs one to sample from)."""
-        if not self.core.opts.demand_load or self.core.pool is None or self.core.host.num_blocks == 0:
+        if not (self.core.opts.demand_load and self.core.policy.demand_load):
+            return [], []
+        if self.core.pool is None or self.core.host.num_blocks == 0:
             return [], []
         limit = (int(request.num_tokens) - 1) // self.core.block_size
         used: list[bytes] = []
