@@ -65,6 +65,13 @@ def test_parser_builds_server_with_passthrough(cpu: None) -> None:
     assert server.watch_parent
 
 
+def test_transparent_mode_is_on_unless_turned_off(cpu: None) -> None:
+    assert serve_cli.build_server(build_parser().parse_args(["serve"])).transparent
+    off = serve_cli.build_server(build_parser().parse_args(["serve", "--no-transparent"]))
+    off.resolved = ResolvedModel("/m", "m")
+    assert not off.transparent and "--middleware" not in off.vllm_args()
+
+
 def test_detach_does_not_watch_the_cli(cpu: None) -> None:
     args = build_parser().parse_args(["serve", "--detach"])
     server = serve_cli.build_server(args)

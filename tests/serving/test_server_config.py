@@ -16,6 +16,7 @@ from tokencake.serving.event_api import EVENTS_API_KEY_ENV
 from tokencake.serving.model import ResolvedModel
 from tokencake.serving.server import Server, ServerError
 from tokencake.serving.tool_calling import BUNDLED_PARSER, FORCED_UNAVAILABLE_ENV, PARSER_PLUGIN
+from tokencake.serving.transparent_events import EVENTS_URL_ENV as TRANSPARENT_EVENTS_URL_ENV
 
 
 def _resolved(server: Server, source: str = "/models/m", name: str = "m") -> Server:
@@ -186,6 +187,28 @@ def test_child_env_pins_thread_reservation(cpu: None, monkeypatch: pytest.Monkey
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
     assert env["FOO"] == "bar"
     assert Server(baseline=True).child_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+
+
+def test_transparent_mode_is_on_for_extension_servers_only(
+    cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TRANSPARENT_EVENTS_URL_ENV, "http://inherited:1")  # never passed on as it is
+    on = _resolved(Server(port=9100))
+    args = on.vllm_args()
+    assert _flag(args, "--middleware") == "tokencake.serving.transparent_asgi.TransparentMiddleware"
+    assert (
+        on.child_env()[TRANSPARENT_EVENTS_URL_ENV]
+        == on.events_url
+        == f"http://127.0.0.1:{9100 + EVENTS_PORT_OFFSET}"
+    )
+    keyed = Server(port=9100, api_key="sk-x").child_env()
+    assert keyed[EVENTS_API_KEY_ENV] == "sk-x"  # the middleware authenticates to the listener with it
+    for off in (Server(port=9100, transparent=False), Server(port=9100, baseline=True)):
+        assert "--middleware" not in _resolved(off).vllm_args()
+        assert TRANSPARENT_EVENTS_URL_ENV not in off.child_env()
+    # A middleware of the user's own still loads, after ours.
+    mine = _resolved(Server(port=9100, extra_args=["--middleware", "my.Mw"])).vllm_args()
+    assert [a for i, a in enumerate(mine) if i and mine[i - 1] == "--middleware"][-1] == "my.Mw"
 
 
 def test_command_runs_vllm_under_the_watchdog(cpu: None) -> None:

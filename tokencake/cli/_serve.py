@@ -115,6 +115,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-offload", action="store_true", help="extension: never offload KV to host")
     p.add_argument("--no-prefetch", action="store_true", help="extension: no predictive prefetch")
     p.add_argument("--no-demand-load", action="store_true", help="extension: no load on a host hit")
+    p.add_argument(
+        "--no-transparent",
+        action="store_true",
+        help="extension: no transparent mode (by default the tool calls of plain OpenAI clients, "
+        "which send no TokenCake metadata, become stalls too: docs/transparent.md)",
+    )
     gpu = p.add_argument_group("GPU options (refused on a CPU-only machine)")
     gpu.add_argument("--device", help="cuda (CPU is used when no GPU is visible)")
     gpu.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory for vLLM")
@@ -225,6 +231,7 @@ def _server_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         offload=not args.no_offload,
         prefetch=not args.no_prefetch,
         demand_load=not args.no_demand_load,
+        transparent=not args.no_transparent,
         policy=None if args.baseline else args.policy,
         startup_timeout=args.startup_timeout,
         tool_call_parser=args.tool_call_parser,
@@ -369,6 +376,8 @@ def _print_ready(server: Any) -> None:
     print(f"  base URL:   {server.base_url}")
     if server.events_url:
         print(f"  events URL: {server.events_url}")
+        if server.transparent:
+            print("  transparent mode: on (plain OpenAI clients' tool calls become stalls; --no-transparent)")
     print(f"  log:        {server.log_path}")
     problem = server.forced_tool_choice_problem()
     if problem:

@@ -62,7 +62,9 @@ class Server(ServerConfig):
     (no process left behind). ``srv.base_url`` is the OpenAI base URL (``.../v1``);
     ``srv.events_url`` the extension's events endpoint (None for a baseline server).
     An extension server runs TokenCake's spatial scheduler (``scheduler_cls``, the default);
-    ``scheduler_cls=None`` keeps vLLM's own (``--scheduling-policy priority``).
+    ``scheduler_cls=None`` keeps vLLM's own (``--scheduling-policy priority``). It also runs
+    transparent mode (``docs/transparent.md``): the tool calls of plain OpenAI clients become
+    stalls without any client change; ``transparent=False`` turns it off.
     """
 
     #: Seconds ``start`` took until vLLM served (None before).

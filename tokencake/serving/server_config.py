@@ -6,8 +6,10 @@ into vLLM's argv and environment, plus the checks that can fail before launching
 
 The extension is plain vLLM configuration: the KV connector via ``--kv-transfer-config``
 (``kv_connector_module_path`` points into this package), priority scheduling, and
-``--shutdown-timeout`` so the connector's ``shutdown()`` runs. ``baseline`` drops all of that:
-the same server without the extension, the comparison point.
+``--shutdown-timeout`` so the connector's ``shutdown()`` runs, and, unless ``transparent=False``,
+transparent mode: the ``--middleware`` that turns plain OpenAI clients' tool calls into stalls
+(``transparent_asgi.py``; the events URL reaches it in the environment). ``baseline`` drops all
+of that: the same server without the extension, the comparison point.
 
 Both modes pin ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: configuring a connector otherwise changes the
 CPU thread reservation, hence bf16 reduction order and greedy outputs (see vllm-notes.md).
@@ -41,6 +43,8 @@ from tokencake.serving.tool_calling import (
     is_bundled_dir,
     tool_calling_args,
 )
+from tokencake.serving.transparent_asgi import MIDDLEWARE as TRANSPARENT_MIDDLEWARE
+from tokencake.serving.transparent_events import EVENTS_URL_ENV as TRANSPARENT_EVENTS_URL_ENV
 
 #: Where vLLM loads our connector from (``kv_connector`` and ``kv_connector_module_path``).
 CONNECTOR_CLASS = "TokenCakeConnector"
@@ -133,6 +137,7 @@ class ServerConfig:
         python: str | None = None,
         tool_call_parser: str | None = "auto",
         chat_template: str | None = None,
+        transparent: bool = True,
     ) -> None:
         if host_pool_blocks is not None and host_pool_gib is not None:
             raise ValueError("give host_pool_blocks or host_pool_gib, not both")
@@ -177,6 +182,9 @@ class ServerConfig:
         #: vLLM tool-call parser ("auto": by model, see tokencake.serving.tool_calling; "none": off).
         self.tool_call_parser = tool_call_parser
         self.chat_template = chat_template
+        #: Transparent mode (``transparent_asgi.py``): plain OpenAI clients' tool calls become
+        #: stalls. Extension servers only; a baseline server never loads it.
+        self.transparent = transparent
         self.resolved: ResolvedModel | None = None
         self._cpu: bool | None = None
 
@@ -329,6 +337,8 @@ class ServerConfig:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(), separators=(",", ":"))]
             if self.scheduler_cls:
                 args += ["--scheduler-cls", self.scheduler_cls]
+            if self.transparent:
+                args += ["--middleware", TRANSPARENT_MIDDLEWARE]
         args += self.extra_args
         return args
 
@@ -362,6 +372,9 @@ class ServerConfig:
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         env.update(self.env)
         env.pop(FORCED_UNAVAILABLE_ENV, None)  # the server's own finding, never inherited
+        env.pop(TRANSPARENT_EVENTS_URL_ENV, None)  # set only where the middleware is loaded
+        if self.transparent and self.events_url is not None:
+            env[TRANSPARENT_EVENTS_URL_ENV] = self.events_url
         problem = self.forced_tool_choice_problem() if self.resolved is not None else None
         if problem:
             env[FORCED_UNAVAILABLE_ENV] = problem

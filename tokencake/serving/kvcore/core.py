@@ -87,6 +87,7 @@ from tokencake.serving.prefetch import PrefetchPlanner
 from tokencake.serving.profile import PrefillProfile
 from tokencake.serving.sessions import SessionTracker
 from tokencake.serving.stats import Stats
+from tokencake.serving.transparent import TRANSPARENT_NODE
 
 log = logging.getLogger("vllm.tokencake")
 
@@ -234,6 +235,10 @@ class KVCore:
         ack = self.sessions.apply(event)
         self.stats.inc(f"events.{event.type}")
         self.stats.inc(f"acks.{ack.status if ack.ok else ack.reason}")
+        if event.node == TRANSPARENT_NODE and ack.status == "recorded":
+            # The tool calls that transparent mode derived for plain OpenAI clients.
+            kind = "begin" if event.type == "stall_begin" else "end"
+            self.stats.inc(f"events.transparent_{kind}")
         if ack.ok and ack.status == "recorded":
             self._poke()
         return ack
