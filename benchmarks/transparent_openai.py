@@ -38,6 +38,8 @@ sdk/stock with a 95 % t interval over rounds, and recovered with a delta-method 
     python benchmarks/transparent_openai.py --quick --out /tmp/tq   # plumbing: ~5 min on 2 cores
     python benchmarks/transparent_openai.py                         # the acceptance run: ~40 min
 
+The script imports ``tokencake`` from the environment: to measure a checkout other than the one
+installed in the venv, put it first (``PYTHONPATH=. python benchmarks/transparent_openai.py``).
 The full run is an estimate for 2 idle cores: 9 server starts of ~1 min, and 9 runs of ~40 chat
 completions on 1-3k-token prompts, the size of the stress preset's ~2.5 min per system.
 ``--quick`` (2 agents, 2 tool turns, 1 round, 32 device blocks) checks the plumbing only: its KV

@@ -216,6 +216,11 @@ def markdown(results: dict[str, Any]) -> str:
             + f"; target ≥ {rec['target']:.0%}: "
             + {True: "met", False: "NOT met", None: "undecided"}[rec["meets_target"]],
         ]
+        gain = rec["sdk_gain_s"]["ci95"]
+        if gain is None or gain[0] <= 0:
+            lines[-1] += (
+                " (the SDK path's gain over stock is not told apart from 0 here: the fraction says little)"
+            )
     for r in results["rounds"]:
         ew = r["equal_work"]
         lines.append(
