@@ -26,6 +26,7 @@ VLLM_FREE = (
     "tokencake.serving.transparent",
     "tokencake.serving.transparent_asgi",
     "tokencake.serving.transparent_events",
+    "tokencake.serving.transparent_http",
     "tokencake.serving.transparent_reply",
     "tokencake.sim",
     "tokencake.sim.validate",

@@ -26,6 +26,7 @@ from tokencake.serving.compose import MOUNT_ROOT, compose_config, local_commands
 from tokencake.serving.machine import find_free_port
 from tokencake.serving.process_group import stop_process_group
 from tokencake.serving.server_config import ServerConfig
+from tokencake.serving.transparent_events import EVENTS_URL_ENV
 
 KEY = "compose-test-key-77e0"
 SERVICE = re.compile(r"^[a-zA-Z0-9._-]+$")
@@ -118,6 +119,20 @@ def test_the_cli_writes_it_and_starts_nothing(model_dir: Path, tmp_path: Path) -
     text = out.read_text()
     assert KEY not in text
     assert sorted(yaml.safe_load(text)["services"]) == ["replica-0", "replica-1", "replica-2", "router"]
+
+
+def test_each_local_replica_reports_to_its_own_events_port(model_dir: Path) -> None:
+    """Run without docker, every replica's connector listens on its own events port, and its
+    transparent mode (the ``--middleware``) posts there, not to the container's port."""
+    ports = {"replica-0": 9100, "replica-1": 9200, "router": 9300, "router-prometheus": 9400}
+    commands = local_commands(_doc(model_dir), ports)
+    for name in ("replica-0", "replica-1"):
+        argv, env = commands[name]
+        kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        port = kv["kv_connector_extra_config"]["events_port"]
+        assert port == ports[name] + 1 and "--middleware" in argv
+        assert env[EVENTS_URL_ENV] == f"http://127.0.0.1:{port}"
+    assert EVENTS_URL_ENV not in commands["router"][1]
 
 
 def test_the_routers_container_command_runs(

@@ -10,16 +10,19 @@ import pytest
 
 from tokencake.serving.transparent import (
     KEYS_PER_CONVERSATION,
+    OPEN_CALLS_PER_CONVERSATION,
     TRANSPARENT_NODE,
     Conversation,
     ConversationTable,
     OpenCall,
-    call_points,
+    answered_calls,
     chain,
     chat_entries,
     chat_message_entry,
+    lookup_points,
     new_session_id,
     predict_next_tool,
+    reply_keys,
     response_key,
     responses_entries,
     responses_item_entry,
@@ -72,13 +75,18 @@ def reserialised(call_id: str, args: dict[str, Any]) -> dict[str, Any]:
 def stored_key(messages: list[Any], reply: dict[str, Any]) -> bytes:
     """The key the middleware stores after a tool turn: request + the reply's message."""
     start = chain(chat_entries(messages))
-    entries = [chat_message_entry(reply)]
-    return call_points(entries, chain(entries, start[-1] if start else None))[0]
+    (key,) = reply_keys([chat_message_entry(reply)], start[-1] if start else None)
+    return key
 
 
 def lookup_keys(messages: list[Any]) -> list[bytes]:
     entries = chat_entries(messages)
-    return call_points(entries, chain(entries))
+    return lookup_points(entries, chain(entries))
+
+
+def matched(table: ConversationTable, keys: list[Any]) -> Conversation | None:
+    found = table.match(keys)
+    return found[0] if found is not None else None
 
 
 def test_a_reserialised_conversation_matches() -> None:
@@ -92,7 +100,7 @@ def test_a_reserialised_conversation_matches() -> None:
         reserialised("call_a", args),
         {"role": "tool", "tool_call_id": "call_a", "content": "21 C"},
     ]
-    assert table.match(lookup_keys(nxt)) is conv
+    assert matched(table, lookup_keys(nxt)) is conv
 
 
 def test_canonical_forms() -> None:
@@ -106,6 +114,11 @@ def test_canonical_forms() -> None:
     assert chat_message_entry(image) != chat_message_entry(other)
     assert chat_message_entry(server_reply("c", {"x": 1})).call
     assert not chat_message_entry(USER).call
+    # The assistant message: fields a client adds or drops (``name``) do not count; its calls do.
+    named = {**server_reply("c", {"x": 1}), "name": "weather-bot"}
+    assert chat_message_entry(named) == chat_message_entry(server_reply("c", {"x": 1}))
+    assert chat_message_entry(server_reply("c", {"x": 1})) != chat_message_entry(server_reply("d", {"x": 1}))
+    assert chat_message_entry(server_reply("c", {"x": 1})) != chat_message_entry(server_reply("c", {"x": 2}))
     # Unparseable arguments are compared as sent.
     broken = server_reply("c", {})
     broken["tool_calls"][0]["function"]["arguments"] = "{not json"
@@ -125,9 +138,9 @@ def test_diverging_conversations_sharing_their_opening_never_merge() -> None:
             server_reply(call_id, {"city": "Paris"}),
             {"role": "tool", "tool_call_id": call_id},
         ]
-        assert table.match(lookup_keys(nxt)) is conv
+        assert matched(table, lookup_keys(nxt)) is conv
     # Only the opening in common: a new conversation.
-    assert table.match(lookup_keys([SYSTEM, USER])) is None
+    assert matched(table, lookup_keys([SYSTEM, USER])) is None
 
 
 def test_a_key_two_conversations_produced_finds_neither() -> None:
@@ -137,9 +150,9 @@ def test_a_key_two_conversations_produced_finds_neither() -> None:
     a, b = Conversation("a"), Conversation("b")
     table.record(a, [key])
     table.record(b, [key])
-    assert table.match([key]) is None
+    assert matched(table, [key]) is None
     table.record(a, [key])  # stays ambiguous
-    assert table.match([key]) is None
+    assert matched(table, [key]) is None
     assert table.stats()["collisions"] == 1
 
 
@@ -150,8 +163,8 @@ def test_the_latest_tool_call_position_matches_first() -> None:
     table.record(first, [stored_key([SYSTEM, USER], server_reply("c1", {}))])
     table.record(second, [stored_key(turn1, server_reply("c2", {}))])
     turn2 = [*turn1, server_reply("c2", {}), {"role": "tool", "tool_call_id": "c2", "content": "y"}]
-    assert table.match(lookup_keys(turn2)) is second
-    assert table.match(lookup_keys(turn1)) is first
+    assert matched(table, lookup_keys(turn2)) is second
+    assert matched(table, lookup_keys(turn1)) is first
 
 
 def test_the_table_is_bounded_least_recently_used_first() -> None:
@@ -159,13 +172,13 @@ def test_the_table_is_bounded_least_recently_used_first() -> None:
     convs = [Conversation(f"s{i}") for i in range(5)]
     for i, conv in enumerate(convs[:3]):
         table.record(conv, [f"k{i}"])
-    assert table.match(["k0"]) is convs[0]  # used: s1 is now the oldest
+    assert matched(table, ["k0"]) is convs[0]  # used: s1 is now the oldest
     for i, conv in enumerate(convs[3:], start=3):
         table.record(conv, [f"k{i}"])
     assert len(table) == 3
-    assert table.session("s1") is None and table.match(["k1"]) is None
-    assert table.session("s2") is None and table.match(["k2"]) is None
-    assert table.match(["k0"]) is convs[0]
+    assert table.session("s1") is None and matched(table, ["k1"]) is None
+    assert table.session("s2") is None and matched(table, ["k2"]) is None
+    assert matched(table, ["k0"]) is convs[0]
     assert table.stats() == {"conversations": 3, "keys": 3, "evicted": 2, "collisions": 0}
     with pytest.raises(ValueError):
         ConversationTable(max_conversations=0)
@@ -176,8 +189,8 @@ def test_a_conversation_keeps_its_recent_keys_only() -> None:
     conv = Conversation("s")
     for i in range(KEYS_PER_CONVERSATION + 3):
         table.record(conv, [f"k{i}"])
-    assert table.match(["k0"]) is None and table.match(["k2"]) is None
-    assert table.match([f"k{KEYS_PER_CONVERSATION + 2}"]) is conv
+    assert matched(table, ["k0"]) is None and matched(table, ["k2"]) is None
+    assert matched(table, [f"k{KEYS_PER_CONVERSATION + 2}"]) is conv
     assert table.stats()["keys"] == KEYS_PER_CONVERSATION
 
 
@@ -208,7 +221,7 @@ def test_the_table_holds_no_message_text() -> None:
     messages = [SYSTEM, {"role": "user", "content": secret}]
     table = ConversationTable()
     conv = Conversation("s")
-    conv.calls = [OpenCall("call_1@x.0", "get_weather", 1.0)]
+    conv.calls = [OpenCall("call_1", "call_1@x.0", "get_weather", 1.0)]
     conv.last_tool = "get_weather"
     table.record(conv, [stored_key(messages, server_reply("call_1", {"q": secret}))])
     held = _strings(table)
@@ -266,6 +279,94 @@ def test_ids() -> None:
     assert response_key("resp_1") == "r:resp_1"
     conv = Conversation("s" * 300)
     assert len(conv.run_id) == 200
-    conv.calls, conv.pending = [OpenCall("c", "t", 0.0)], object()
-    calls, pending = conv.take_calls()
-    assert calls and pending is not None and conv.calls == [] and conv.pending is None
+
+
+def test_a_request_takes_only_the_calls_it_answers() -> None:
+    conv = Conversation("s")
+    a, b = OpenCall("call_a", "call_a@t.0", "f", 0.0), OpenCall("call_b", "call_b@t.0", "g", 0.0)
+    conv.add_calls([a, b])
+    assert conv.take_calls({"call_b", "call_x"}) == [b] and conv.calls == [a]
+    assert conv.take_calls(set()) == [] and conv.calls == [a]
+    assert conv.take_calls({"call_a"}) == [a] and conv.calls == []
+    # Calls nobody answers stay open, but only so many (the oldest go to the core's expiry).
+    conv.add_calls(OpenCall(f"c{i}", f"c{i}@t.0", "f", 0.0) for i in range(OPEN_CALLS_PER_CONVERSATION + 5))
+    assert len(conv.calls) == OPEN_CALLS_PER_CONVERSATION and conv.calls[0].call_id == "c5"
+
+
+def test_answered_calls() -> None:
+    messages = [
+        USER,
+        server_reply("call_a", {}),
+        {"role": "tool", "tool_call_id": "call_a", "content": "x"},
+        {"role": "tool", "tool_call_id": 7},
+        {"role": "user", "tool_call_id": "not_a_result"},
+        "junk",
+    ]
+    assert answered_calls("chat", {"messages": messages}) == {"call_a"}
+    assert answered_calls("chat", {"messages": "hi"}) == set()
+    items = [
+        {"type": "function_call", "call_id": "call_a", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_a", "output": "x"},
+        {"type": "function_call_output", "call_id": "call_b", "output": "y"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert answered_calls("responses", {"input": items}) == {"call_a", "call_b"}
+    assert answered_calls("responses", {"input": "hi"}) == set()
+
+
+def test_a_key_continues_its_conversation_once() -> None:
+    """The second request from one point of a conversation (sub-agents forked from one history,
+    a regenerated answer) is a fork: a child conversation with a session of its own."""
+    table = ConversationTable()
+    conv = Conversation("s", last_tool="get_weather")
+    conv.turns = 1  # turn 0 ran; its reply stored the key
+    table.record(conv, ["k0"], turn=0)
+    found = table.match(["k0"])
+    assert found == (conv, 0) and conv.continues(0)
+    conv.turns += 1  # the first continuation (turn 1) is in flight
+    assert not conv.continues(0)  # a second one from the same key forks
+    child = conv.fork(0)
+    assert child.session_id != conv.session_id and child.session_id.startswith(f"{TRANSPARENT_NODE}-")
+    assert (child.turns, child.last_tool, list(child.keys), child.calls) == (1, "get_weather", [], [])
+    table.record(conv, ["k1"], turn=1)  # turn 1's reply
+    assert table.match(["k1", "k0"]) == (conv, 1) and conv.continues(1)  # the latest key: continues
+
+
+def test_a_reply_stores_a_key_at_each_call_and_at_its_end() -> None:
+    """A Responses API client may append all calls, then all outputs, or interleave them: both
+    pass a stored key."""
+    request = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+    calls = [
+        {"type": "function_call", "call_id": c, "name": "get_weather", "arguments": "{}"}
+        for c in ("ca", "cb")
+    ]
+    outputs = [{"type": "function_call_output", "call_id": c, "output": "sunny"} for c in ("ca", "cb")]
+    start = chain(responses_entries({"input": request}))[-1]
+    reply = [e for e in (responses_item_entry(item) for item in calls) if e is not None]
+    table = ConversationTable()
+    conv = Conversation("s")
+    table.record(conv, reply_keys(reply, start), turn=0)
+    assert len(conv.keys) == 2
+    for order in (
+        [*request, *calls, *outputs],
+        [*request, calls[0], outputs[0], calls[1], outputs[1]],
+        [*request, calls[0], outputs[0]],
+    ):
+        entries = responses_entries({"input": order})
+        assert table.match(lookup_points(entries, chain(entries))) == (conv, 0), order
+    # Many calls: the first ones and the end, at most half a conversation's keys.
+    many = [responses_item_entry({**calls[0], "call_id": f"c{i}"}) for i in range(40)]
+    keys = reply_keys([e for e in many if e is not None], start)
+    assert len(keys) == KEYS_PER_CONVERSATION // 2
+    assert keys[-1] == chain([e for e in many if e is not None], start)[-1]
+    assert reply_keys([], start) == []
+
+
+def test_a_final_answer_is_a_lookup_position_too() -> None:
+    """A followed conversation's final reply stores a key: the next request continues from it."""
+    final = {"role": "assistant", "content": "Sunny."}
+    entry = chat_message_entry(final)
+    assert entry.reply and not entry.call and not chat_message_entry(USER).reply
+    messages = [SYSTEM, USER, final, {"role": "user", "content": "And tomorrow?"}]
+    start = chain(chat_entries([SYSTEM, USER]))[-1]
+    assert lookup_keys(messages)[0] == reply_keys([entry], start)[0]

@@ -5,6 +5,7 @@ header and ``previous_response_id``, and everything it cannot use passes through
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -16,11 +17,8 @@ import httpx
 import pytest
 
 from tokencake.serving.transparent_asgi import TransparentMiddleware
-from tokencake.serving.transparent_events import (
-    EVENTS_URL_ENV,
-    MAX_CONVERSATIONS_ENV,
-    TransparentConfig,
-)
+from tokencake.serving.transparent_events import EVENTS_URL_ENV, TransparentConfig
+from tokencake.serving.transparent_http import ApiKeys
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
@@ -315,7 +313,7 @@ def test_parallel_calls_each_begin_and_end() -> None:
     run(scenario())
 
 
-def test_the_responses_api_by_response_id_and_by_fingerprint() -> None:
+def test_the_responses_api_by_fingerprint_and_by_response_id() -> None:
     rig = Rig()
 
     async def scenario() -> None:
@@ -324,24 +322,22 @@ def test_the_responses_api_by_response_id_and_by_fingerprint() -> None:
         session = rig.app.meta(0)["session_id"]  # type: ignore[index]
         assert rig.app.meta(0)["next_stall"]["tool"] == "get_weather"  # type: ignore[index]  # the only tool
         await rig.mw.flush()
-        # Stateful: previous_response_id names the conversation.
-        output = {"type": "function_call_output", "call_id": "call_a", "output": "21 C"}
-        second = {"model": "m", "previous_response_id": "resp_1", "input": [output], "tools": RESPONSES_TOOLS}
-        await rig.post(RESPONSES, second, responses_sse("resp_2", ["call_b"]))
-        assert rig.app.meta(1)["session_id"] == session  # type: ignore[index]
-        assert [e["stall_id"][:6] for e in rig.sink.of("stall_end")] == ["call_a"]
-        await rig.mw.flush()
         # Stateless: the whole history as input (items without the server's id / status).
         history = [
             {"role": "user", "content": "Weather in Paris?"},
-            function_call("call_a", server=False),
-            output,
             {"type": "reasoning", "summary": []},
-            function_call("call_b", server=False),
-            {"type": "function_call_output", "call_id": "call_b", "output": "22 C"},
+            function_call("call_a", server=False),
+            {"type": "function_call_output", "call_id": "call_a", "output": "21 C"},
         ]
+        await rig.post(RESPONSES, {**first, "input": history}, responses_sse("resp_2", ["call_b"]))
+        assert rig.app.meta(1)["session_id"] == session  # type: ignore[index]
+        assert [e["stall_id"][:6] for e in rig.sink.of("stall_end")] == ["call_a"]
+        await rig.mw.flush()
+        # Stateful: previous_response_id names the conversation.
+        output = {"type": "function_call_output", "call_id": "call_b", "output": "22 C"}
+        second = {"model": "m", "previous_response_id": "resp_2", "input": [output], "tools": RESPONSES_TOOLS}
         reply = (200, b"application/json", [json.dumps({"id": "resp_3", "output": []}).encode()])
-        await rig.post(RESPONSES, {"model": "m", "input": history, "tools": RESPONSES_TOOLS}, reply)
+        await rig.post(RESPONSES, second, reply)
         assert rig.app.meta(2)["session_id"] == session  # type: ignore[index]
         assert [e["stall_id"][:6] for e in rig.sink.of("stall_end")] == ["call_a", "call_b"]
 
@@ -365,7 +361,8 @@ def test_the_session_header_names_the_conversation_first() -> None:
         assert rig.sink.of("stall_end") == []
         await rig.mw.flush()
         # The header keeps its session whatever the messages (a client that trims its history).
-        await rig.post(CHAT, {"messages": [USER], "tools": TOOLS}, chat_json(), headers=named)
+        trimmed = [USER, *results([("call_n", "get_time", {})])]
+        await rig.post(CHAT, {"messages": trimmed, "tools": TOOLS}, chat_json(), headers=named)
         assert rig.app.meta(2)["session_id"] == "chat-42" and rig.app.meta(2)["turn"] == 1  # type: ignore[index]
         assert [e["session_id"] for e in rig.sink.of("stall_end")] == ["chat-42"]
         # Without it, the fingerprint finds the first conversation again.
@@ -484,7 +481,8 @@ def test_two_identical_first_requests_stay_two_conversations() -> None:
         await rig.mw.flush()
         for cid in ids:
             calls = [(cid, "get_weather", {"city": "Paris"})]
-            await rig.post(CHAT, {**body, "messages": [SYSTEM, USER, as_client_sends(calls)]}, chat_json())
+            nxt = [SYSTEM, USER, as_client_sends(calls), *results(calls)]
+            await rig.post(CHAT, {**body, "messages": nxt}, chat_json())
         return [*first, rig.app.meta(-2)["session_id"], rig.app.meta(-1)["session_id"]]  # type: ignore[index]
 
     a, b, next_a, next_b = run(scenario(("call_1", "call_2")))
@@ -499,7 +497,7 @@ def test_two_identical_first_requests_stay_two_conversations() -> None:
 
 def test_a_key_protected_server() -> None:
     rig = Rig(events_api_key="ev-key")
-    rig.mw._api_keys = [b"client-key"]  # vLLM's --api-key (read from the app or VLLM_API_KEY)
+    rig.mw.api_keys = ApiKeys(["client-key"])  # vLLM's --api-key (read from the app or VLLM_API_KEY)
     named = [(b"x-tokencake-session", b"victim")]
     good = [*named, (b"authorization", b"Bearer client-key")]
     calls = [("call_k", "get_weather", {})]
@@ -507,7 +505,7 @@ def test_a_key_protected_server() -> None:
     async def scenario() -> None:
         await rig.post(CHAT, {"messages": [USER], "tools": TOOLS}, chat_json(calls), headers=good)
         await rig.mw.flush()
-        raw = json.dumps({"messages": [USER], "tools": TOOLS}).encode()
+        raw = json.dumps({"messages": [USER, *results(calls)], "tools": TOOLS}).encode()
         await rig.post(CHAT, raw, chat_json(), headers=[*named, (b"authorization", b"Bearer wrong")])
         assert rig.app.bodies[-1] == raw and rig.sink.of("stall_end") == []  # vLLM refuses it: no effect
         await rig.post(CHAT, raw, chat_json(), headers=good)
@@ -515,21 +513,6 @@ def test_a_key_protected_server() -> None:
 
     run(scenario())
     assert set(rig.sink.auth) == {"Bearer ev-key"}
-
-
-def test_the_api_key_rule_is_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_API_KEY", "env-key")
-    mw = TransparentMiddleware(FakeVLLM([]), TransparentConfig(events_url="http://e"))
-
-    def scope(token: str, app: Any = None) -> dict[str, Any]:
-        return {"headers": [(b"authorization", f"bearer {token}".encode())], "app": app}
-
-    assert mw._authorized(scope("env-key")) and not mw._authorized(scope("other"))
-    args = type(
-        "App", (), {"state": type("State", (), {"args": type("Args", (), {"api_key": ["a1", "a2"]})})}
-    )
-    mw2 = TransparentMiddleware(FakeVLLM([]), TransparentConfig(events_url="http://e"))
-    assert mw2._authorized(scope("a2", args)) and not mw2._authorized(scope("env-key", args))
 
 
 def test_off_without_an_events_url(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -544,22 +527,284 @@ def test_off_without_an_events_url(monkeypatch: pytest.MonkeyPatch) -> None:
     run(scenario())
     assert rig.app.bodies == [raw] and rig.sink.events == [] and rig.mw.stats().get("requests", 0) == 0
     assert TransparentMiddleware(FakeVLLM([])).events is None  # the environment has no URL: off
-
-
-def test_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = TransparentConfig.from_env(
-        {
-            EVENTS_URL_ENV: "http://127.0.0.1:8001/",
-            "TOKENCAKE_EVENTS_API_KEY": "k",
-            MAX_CONVERSATIONS_ENV: "12",
-        }
-    )
-    assert (config.events_url, config.events_api_key, config.max_conversations) == (
-        "http://127.0.0.1:8001",
-        "k",
-        12,
-    )
-    assert TransparentConfig.from_env({MAX_CONVERSATIONS_ENV: "lots"}).max_conversations == 4096
-    assert TransparentConfig.from_env({}).events_url is None
     monkeypatch.setenv(EVENTS_URL_ENV, "http://e:1")
     assert TransparentMiddleware(FakeVLLM([])).events is not None
+
+
+def test_sub_agents_forked_from_one_history_are_separate_sessions() -> None:
+    """Two branches send the same history + tool result, each with its own task: the second is a
+    child conversation, and one branch's next request ends only the calls it answers."""
+    rig = Rig()
+    root = [("call_root", "get_weather", {"city": "Paris"})]
+    c1, c2 = [("call_b1", "get_time", {"tz": "CET"})], [("call_b2", "get_weather", {"city": "Rome"})]
+
+    def meta_of(task: str) -> dict[str, Any]:
+        (body,) = [json.loads(b) for b in rig.app.bodies if task.encode() in b]
+        meta: dict[str, Any] = body["kv_transfer_params"]["tokencake"]
+        return meta
+
+    async def scenario() -> None:
+        await rig.post(CHAT, {"messages": [SYSTEM, USER], "tools": TOOLS}, chat_json(root))
+        await rig.mw.flush()
+        shared = [SYSTEM, USER, as_client_sends(root), *results(root)]
+        b1, b2 = ([*shared, {"role": "user", "content": f"branch {i}"}] for i in (1, 2))
+        await rig.post(CHAT, {"messages": b1, "tools": TOOLS}, chat_json(c1))
+        await rig.post(CHAT, {"messages": b2, "tools": TOOLS}, chat_json(c2))
+        await rig.mw.flush()
+        root_meta, one, two = rig.app.meta(0), meta_of("branch 1"), meta_of("branch 2")
+        assert one["session_id"] == root_meta["session_id"] != two["session_id"]  # type: ignore[index]
+        assert (one["turn"], two["turn"], two["next_stall"]["tool"]) == (1, 1, "get_time")  # inherited
+        assert [e["stall_id"][:9] for e in rig.sink.of("stall_end")] == ["call_root"]  # ended once
+        begins = {b["stall_id"][:7]: b["session_id"] for b in rig.sink.of("stall_begin")}
+        assert (begins["call_b1"], begins["call_b2"]) == (one["session_id"], two["session_id"])
+        # Branch 1's tool returned; branch 2's still runs: only branch 1's call ends.
+        await rig.post(
+            CHAT, {"messages": [*b1, as_client_sends(c1), *results(c1)], "tools": TOOLS}, chat_json()
+        )
+        assert [e["stall_id"][:7] for e in rig.sink.of("stall_end")] == ["call_ro", "call_b1"]
+        await rig.post(
+            CHAT, {"messages": [*b2, as_client_sends(c2), *results(c2)], "tools": TOOLS}, chat_json()
+        )
+        assert rig.app.meta(4)["session_id"] == two["session_id"]  # type: ignore[index]
+        assert [e["session_id"] for e in rig.sink.of("stall_end")][2] == two["session_id"]
+
+    run(scenario())
+    assert rig.mw.stats()["conversations.forked"] == 1
+
+
+def test_a_final_answer_then_a_follow_up_continues_the_conversation() -> None:
+    rig = Rig()
+    calls = [("call_f", "get_weather", {"city": "Oslo"})]
+
+    async def scenario() -> None:
+        await rig.post(CHAT, {"messages": [USER], "tools": TOOLS}, chat_json(calls))
+        await rig.mw.flush()
+        history = [USER, as_client_sends(calls), *results(calls)]
+        await rig.post(CHAT, {"messages": history, "tools": TOOLS}, chat_json(content="Snow."))
+        follow_up = [*history, {"role": "assistant", "content": "Snow.", "name": "bot"}, USER]
+        await rig.post(CHAT, {"messages": follow_up, "tools": TOOLS}, chat_json())
+        await rig.post(CHAT, {"messages": history, "tools": TOOLS}, chat_json())  # a regenerated answer
+
+    run(scenario())
+    sessions = [rig.app.meta(i)["session_id"] for i in range(4)]  # type: ignore[index]
+    assert sessions[0] == sessions[1] == sessions[2] != sessions[3]  # the regeneration is a fork
+    assert rig.app.meta(2)["turn"] == 2 and len(rig.sink.of("stall_end")) == 1  # type: ignore[index]
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_responses_items_in_either_order_continue_the_conversation(interleaved: bool) -> None:
+    rig = Rig()
+    first = {
+        "model": "m",
+        "input": [{"role": "user", "content": "Paris and Rome?"}],
+        "tools": RESPONSES_TOOLS,
+    }
+    outs = {
+        c: {"type": "function_call_output", "call_id": c, "output": "sunny"} for c in ("call_a", "call_b")
+    }
+    if interleaved:  # for item in response.output: input += [item, its output] (OpenAI's docs loop)
+        items = [x for c in outs for x in (function_call(c), outs[c])]
+    else:
+        items = [function_call("call_a"), function_call("call_b"), *outs.values()]
+
+    async def scenario() -> None:
+        await rig.post(RESPONSES, first, responses_json("resp_1", ["call_a", "call_b"]))
+        await rig.mw.flush()
+        await rig.post(RESPONSES, {**first, "input": first["input"] + items}, responses_json("resp_2", []))
+
+    run(scenario())
+    assert rig.app.meta(1)["session_id"] == rig.app.meta(0)["session_id"]  # type: ignore[index]
+    assert sorted(e["stall_id"][:6] for e in rig.sink.of("stall_end")) == ["call_a", "call_b"]
+
+
+def test_a_request_vllm_refuses_is_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "client-key")
+    rig = Rig()
+    raw = json.dumps({"messages": [USER], "tools": TOOLS}).encode()
+    incoming = [{"type": "http.request", "body": raw, "more_body": False}]
+    reads: list[str] = []
+
+    async def receive() -> dict[str, Any]:
+        reads.append("read")
+        return incoming.pop(0)
+
+    async def app(scope: dict[str, Any], app_receive: Any, send: Any) -> None:
+        assert not reads and app_receive is receive  # handed on untouched, unread
+        assert (await app_receive())["body"] == raw
+        await send({"type": "http.response.start", "status": 401, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    rig.mw.app = app
+    scope = {"type": "http", "method": "POST", "path": CHAT, "headers": [(b"authorization", b"Bearer no")]}
+    run(rig.mw(scope, receive, send))
+    assert rig.mw.stats()["passed.unauthorized"] == 1
+
+
+def test_a_body_too_deeply_nested_passes_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig()
+    raw = (
+        b'{"messages": [{"role": "user", "content": "x"}], "tools": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    )
+
+    async def scenario() -> None:
+        with caplog.at_level(logging.INFO, logger="tokencake.serving.transparent"):
+            for _ in range(3):
+                status, _body = await rig.post(CHAT, raw, chat_json())
+                assert status == 200
+
+    run(scenario())
+    lines = [
+        r
+        for r in caplog.records
+        if r.name == "tokencake.serving.transparent" and r.levelno >= logging.WARNING
+    ]
+    assert len(lines) == 1 and not lines[0].exc_info and "\n" not in lines[0].getMessage()
+    assert rig.app.bodies == [raw] * 3 and rig.mw.stats()["passed.too_deep"] == 3
+
+
+def test_a_utf16_body_stays_valid_json() -> None:
+    rig = Rig()
+    raw = json.dumps({"model": "m", "messages": [USER], "tools": TOOLS}).encode("utf-16-le")
+    run(rig.post(CHAT, raw, chat_json()))
+    assert json.loads(rig.app.bodies[0])["messages"] == [USER] and rig.app.meta(0) is not None
+
+
+def test_a_named_session_evicted_while_its_request_runs_is_merged_not_overwritten() -> None:
+    rig = Rig(max_conversations=1)
+    alice = [(b"x-tokencake-session", b"alice")]
+    gate = asyncio.Event()
+    fake = rig.app
+
+    async def slow_first(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if (b"x-slow", b"1") in scope["headers"]:
+            await gate.wait()
+        await fake(scope, receive, send)
+
+    rig.mw.app = slow_first
+
+    async def scenario() -> None:
+        slow = asyncio.create_task(
+            rig.post(CHAT, {"messages": [USER], "tools": TOOLS}, headers=[*alice, (b"x-slow", b"1")])
+        )
+        await asyncio.sleep(0.01)
+        await rig.post(CHAT, {"messages": [USER], "tools": TOOLS}, headers=[(b"x-tokencake-session", b"bob")])
+        fake.replies.extend([chat_json([("call_1", "get_weather", {})]), chat_json()])
+        fake.replies.appendleft(chat_json([("call_2", "get_time", {})]))  # alice's newer turn, answered first
+        await rig.post(CHAT, {"messages": [USER, USER], "tools": TOOLS}, headers=alice)
+        newer = rig.mw.table.session("alice")
+        gate.set()
+        await slow
+        await rig.mw.flush()
+        current = rig.mw.table.session("alice")
+        assert current is newer and current is not None
+        assert sorted(c.call_id for c in current.calls) == ["call_1", "call_2"] and current.turns == 1
+
+    rig.app.replies.append(chat_json())  # bob's
+    run(scenario())
+    assert rig.mw.stats()["conversations.merged"] == 1
+
+
+def test_no_request_buffer_is_kept_while_the_app_runs() -> None:
+    rig = Rig()
+    held: list[list[str]] = []
+
+    def big_bytes(obj: Any, depth: int = 0) -> bool:
+        if isinstance(obj, (bytes, bytearray)):
+            return len(obj) > 10_000
+        if depth > 3:
+            return False
+        if isinstance(obj, dict):
+            return any(big_bytes(v, depth + 1) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return any(big_bytes(v, depth + 1) for v in obj)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return any(big_bytes(v, depth + 1) for v in vars(obj).values())
+        return False
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        held.append(sorted(k for k, v in outer.cr_frame.f_locals.items() if big_bytes(v)))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def noop(message: dict[str, Any]) -> None:
+        pass
+
+    rig.mw.app = app
+    for tools in (TOOLS, []):  # forwarded with metadata; passed through
+        raw = json.dumps({"messages": [{"role": "user", "content": "x" * 50_000}], "tools": tools}).encode()
+        incoming = [{"type": "http.request", "body": raw[:30_000], "more_body": True},
+                    {"type": "http.request", "body": raw[30_000:], "more_body": False}]  # fmt: skip
+
+        async def receive(incoming: list[dict[str, Any]] = incoming) -> dict[str, Any]:
+            return incoming.pop(0)
+
+        scope = {"type": "http", "method": "POST", "path": CHAT, "headers": []}
+        outer = rig.mw(scope, receive, noop)
+        run(outer)
+    assert held == [[], []]
+
+
+def test_a_streamed_call_cut_off_begins_no_stall() -> None:
+    rig = Rig()
+    status, ctype, chunks = chat_sse([("call_cut", "get_weather", {"city": "Paris"})])
+    end = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}\n\n'
+    cut = [*chunks[:-3], end, b"data: [DONE]\n\n"]  # half its arguments, then max_tokens
+
+    async def scenario() -> None:
+        await rig.post(CHAT, {"messages": [USER], "tools": TOOLS, "stream": True}, (status, ctype, cut))
+        await rig.mw.flush()
+
+    run(scenario())
+    assert rig.sink.events == [] and len(rig.mw.table) == 0 and rig.mw.stats()["replies.cut_off"] == 1
+
+
+def test_the_critical_path_starts_at_the_first_tool_call() -> None:
+    """A request is marked critical once its conversation has called a tool (an agent loop):
+    a conversation's first request, or one that never called a tool, is not."""
+    rig = Rig()
+    calls = [("call_c", "get_weather", {})]
+    named = [(b"x-tokencake-session", b"chatty")]
+
+    async def scenario() -> None:
+        await rig.post(CHAT, {"messages": [USER], "tools": TOOLS}, chat_json(calls))
+        await rig.mw.flush()
+        await rig.post(CHAT, {"messages": [USER, as_client_sends(calls), *results(calls)], "tools": TOOLS},
+                       chat_json())  # fmt: skip
+        for _ in range(2):
+            await rig.post(CHAT, {"messages": [USER], "tools": TOOLS}, chat_json(), headers=named)
+
+    run(scenario())
+    critical = [rig.app.meta(i)["graph"]["on_critical_path"] for i in range(4)]  # type: ignore[index]
+    assert critical == [False, True, False, False]
+
+
+def test_the_counters_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = Rig()
+
+    async def get(headers: list[tuple[bytes, bytes]]) -> tuple[int, Any]:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b""}
+
+        scope = {"type": "http", "method": "GET", "path": "/v1/tokencake/transparent/", "headers": headers}
+        await rig.mw(scope, receive, send)
+        return sent[0]["status"], sent[1]["body"]
+
+    run(rig.post(CHAT, {"messages": [USER], "tools": TOOLS}, chat_json()))
+    status, body = run(get([]))
+    stats = json.loads(body)
+    assert (
+        status == 200 and stats["requests"] == 1 and stats["enabled"] and stats["table"]["conversations"] == 0
+    )
+    rig.mw.api_keys = ApiKeys(["k"])  # with a key: only for its holders; others get vLLM's answer
+    assert json.loads(run(get([(b"authorization", b"Bearer k")]))[1])["injected"] == 1
+    assert run(get([]))[1] == b"{}"  # the stand-in app's

@@ -7,15 +7,23 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from tokencake.events import StallBegin
 from tokencake.serving.transparent import TRANSPARENT_NODE, Conversation, OpenCall
-from tokencake.serving.transparent_events import EventPoster, TransparentConfig, begin_event, end_event
+from tokencake.serving.transparent_events import (
+    EVENTS_URL_ENV,
+    MAX_CONVERSATIONS_ENV,
+    EventPoster,
+    TransparentConfig,
+    begin_event,
+    end_event,
+)
 
 
 def test_the_events_name_the_call_and_the_mode() -> None:
     conv = Conversation("transparent-abc")
-    call = OpenCall("call_1@x.0", "get_weather", begun_at=100.0)
+    call = OpenCall("call_1", "call_1@x.0", "get_weather", begun_at=100.0)
     begin = begin_event(conv, call)
     assert (begin.stall_id, begin.session_id, begin.run_id, begin.tool) == (
         "call_1@x.0",
@@ -67,3 +75,22 @@ def test_the_poster_never_raises() -> None:
     assert asyncio.run(scenario()) == [True, True, False, False, False, False, True]
     assert seen == ["b0", "b1", "b2", "b3", "b4", "owed"]
     assert poster.counts == {"sent.stall_begin": 3, "rejected": 1, "failed": 2, "skipped": 1}
+
+
+def test_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = TransparentConfig.from_env(
+        {
+            EVENTS_URL_ENV: "http://127.0.0.1:8001/",
+            "TOKENCAKE_EVENTS_API_KEY": "k",
+            MAX_CONVERSATIONS_ENV: "12",
+        }
+    )
+    assert (config.events_url, config.events_api_key, config.max_conversations) == (
+        "http://127.0.0.1:8001",
+        "k",
+        12,
+    )
+    assert TransparentConfig.from_env({MAX_CONVERSATIONS_ENV: "lots"}).max_conversations == 4096
+    assert TransparentConfig.from_env({}).events_url is None
+    monkeypatch.setenv(EVENTS_URL_ENV, "http://e:1")
+    assert TransparentConfig.from_env().events_url == "http://e:1"

@@ -139,3 +139,22 @@ def test_what_cannot_be_read_gives_no_reply() -> None:
     assert read("chat", long_stream, stream=True, max_bytes=1000).turn() is None
     # An unfinished event larger than the cap.
     assert read("chat", b"data: " + b"z" * 5000, stream=True, max_bytes=1000).broken
+
+
+def test_a_reply_cut_off_has_no_calls() -> None:
+    """``max_tokens`` reached mid-call: the arguments are incomplete, the client cannot run it."""
+    cut = PARALLEL_STREAM.replace(b'"finish_reason": "tool_calls"', b'"finish_reason": "length"')
+    assert cut != PARALLEL_STREAM
+    turn = read("chat", cut, stream=True, step=9).turn()
+    assert turn is not None and turn.calls == [] and turn.cut_off and len(turn.entries) == 1
+    message = {
+        "role": "assistant",
+        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": '{"a'}}],
+    }
+    doc = {"choices": [{"index": 0, "message": message, "finish_reason": "length"}]}
+    assert chat_reply(doc).calls == []  # type: ignore[union-attr]
+    done = {"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]}
+    assert chat_reply(done).calls  # type: ignore[union-attr]
+    out = [{"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a'}]
+    assert responses_reply({"id": "r", "status": "incomplete", "output": out}).calls == []  # type: ignore[union-attr]
+    assert responses_reply({"id": "r", "status": "completed", "output": out}).calls  # type: ignore[union-attr]

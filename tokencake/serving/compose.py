@@ -35,9 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from tokencake.serving.event_api import EVENTS_API_KEY_ENV
+from tokencake.serving.machine import http_url
 from tokencake.serving.model import resolve_model
 from tokencake.serving.router import Router
 from tokencake.serving.server_config import ServerConfig
+from tokencake.serving.transparent_events import EVENTS_URL_ENV
 
 __all__ = [
     "CONTAINER_PORT",
@@ -175,7 +177,8 @@ def local_commands(
     """Each service's command and environment as a process on this machine, without docker.
 
     How the recipe is checked where no container runtime runs (``scripts/compose_local.py``):
-    ``ports[service]`` replaces the container port (a replica's events port follows it, + 1),
+    ``ports[service]`` replaces the container port (a replica's events port follows it, + 1: in
+    its ``--kv-transfer-config`` and in transparent mode's events URL),
     ``ports["router-prometheus"]`` the router's metrics port; service names become 127.0.0.1,
     bind-mount targets their host paths, ``${TOKENCAKE_API_KEY...}`` its value in ``environ``;
     ``python`` / ``vllm-router`` are this interpreter's.
@@ -184,6 +187,7 @@ def local_commands(
     out: dict[str, tuple[list[str], dict[str, str]]] = {}
     for name, service in doc["services"].items():
         mounts = {v["target"]: v["source"] for v in service.get("volumes", [])}
+        events_port = ports[name] + 1
         argv: list[str] = []
         for arg in service["command"]:
             arg = mounts.get(arg, arg.replace("$$", "$"))
@@ -197,7 +201,7 @@ def local_commands(
                 arg = str(ports["router-prometheus"])
             elif argv and argv[-1] == "--kv-transfer-config":
                 config = json.loads(arg)
-                config["kv_connector_extra_config"]["events_port"] = ports[name] + 1
+                config["kv_connector_extra_config"]["events_port"] = events_port
                 arg = json.dumps(config, separators=(",", ":"))
             argv.append(arg)
         if argv[0] == "python":
@@ -205,6 +209,8 @@ def local_commands(
         elif argv[0] == "vllm-router":
             argv[0] = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or argv[0]
         env = {k: _interpolate(v, environ) for k, v in service.get("environment", {}).items()}
+        if EVENTS_URL_ENV in env:  # the replica's own listener, where its events port now is
+            env[EVENTS_URL_ENV] = http_url("127.0.0.1", events_port)
         out[name] = (argv, env)
     return out
 

@@ -12,6 +12,9 @@ client will append to its message list (``transparent.py``):
 * Responses API, JSON: ``output`` items (``function_call``: ``call_id``, ``name``) and the
   response ``id``; SSE: the same from the ``response.completed`` event.
 
+A reply cut off before its end (``finish_reason`` ``"length"``; a Responses API response with
+status ``incomplete``) has no calls: their arguments are incomplete, the client cannot run them.
+
 Only the first choice is followed (an agent sends ``n=1``). What the reader keeps is bounded by
 ``max_bytes``; past it, or on anything it cannot parse, it gives up and reports no reply.
 """
@@ -24,7 +27,7 @@ from typing import Any, NamedTuple
 
 from tokencake.serving.transparent import Entry, chat_message_entry, responses_item_entry
 
-__all__ = ["ReplyReader", "SeenCall", "TurnReply", "chat_reply", "responses_reply"]
+__all__ = ["CUT_OFF", "ReplyReader", "SeenCall", "TurnReply", "chat_reply", "responses_reply"]
 
 
 class SeenCall(NamedTuple):
@@ -36,11 +39,16 @@ class SeenCall(NamedTuple):
 
 class TurnReply(NamedTuple):
     """What a reply adds to the conversation: its tool calls, the entries the client appends
-    (canonical), and the Responses API response id."""
+    (canonical), the Responses API response id, and whether it was cut off (then no calls)."""
 
     calls: list[SeenCall]
     entries: list[Entry]
     response_id: str | None = None
+    cut_off: bool = False
+
+
+#: Finish reasons of a reply cut off before its end: a tool call in it is incomplete.
+CUT_OFF = frozenset({"length"})
 
 
 def _first_choice(doc: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -53,7 +61,7 @@ def _first_choice(doc: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return None
 
 
-def _chat_turn(content: Any, tool_calls: list[Any]) -> TurnReply:
+def _chat_turn(content: Any, tool_calls: list[Any], finish_reason: Any) -> TurnReply:
     calls = []
     for call in tool_calls:
         fn = call.get("function") if isinstance(call, Mapping) else None
@@ -61,17 +69,20 @@ def _chat_turn(content: Any, tool_calls: list[Any]) -> TurnReply:
             name = fn.get("name") if isinstance(fn, Mapping) else None
             calls.append(SeenCall(call["id"], name if isinstance(name, str) else ""))
     entry = chat_message_entry({"role": "assistant", "content": content, "tool_calls": tool_calls})
+    if finish_reason in CUT_OFF:
+        return TurnReply([], [entry], cut_off=True)
     return TurnReply(calls, [entry])
 
 
 def chat_reply(doc: Any) -> TurnReply | None:
     """The turn of a Chat Completions JSON response (None: no choice to follow)."""
     choice = _first_choice(doc) if isinstance(doc, Mapping) else None
-    message = choice.get("message") if choice is not None else None
-    if not isinstance(message, Mapping):
+    if choice is None or not isinstance(choice.get("message"), Mapping):
         return None
+    message = choice["message"]
     tool_calls = message.get("tool_calls")
-    return _chat_turn(message.get("content"), tool_calls if isinstance(tool_calls, list) else [])
+    calls = tool_calls if isinstance(tool_calls, list) else []
+    return _chat_turn(message.get("content"), calls, choice.get("finish_reason"))
 
 
 def responses_reply(doc: Any) -> TurnReply | None:
@@ -88,6 +99,8 @@ def responses_reply(doc: Any) -> TurnReply | None:
             if isinstance(call_id, str) and call_id:
                 calls.append(SeenCall(call_id, name if isinstance(name, str) else ""))
     response_id = doc.get("id") if isinstance(doc.get("id"), str) else None
+    if doc.get("status") == "incomplete":
+        return TurnReply([], entries, response_id, cut_off=True)
     return TurnReply(calls, entries, response_id)
 
 
@@ -97,11 +110,14 @@ class _ChatDeltas:
     def __init__(self) -> None:
         self.content: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: Any = None
         #: Characters of content and arguments kept.
         self.size = 0
 
     def feed(self, event: Mapping[str, Any]) -> None:
         choice = _first_choice(event)
+        if choice is not None and choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
         delta = choice.get("delta") if choice is not None else None
         if not isinstance(delta, Mapping):
             return
@@ -128,7 +144,7 @@ class _ChatDeltas:
             {"id": s["id"], "function": {"name": s["name"], "arguments": "".join(s["args"])}}
             for _i, s in sorted(self.calls.items())
         ]
-        return _chat_turn("".join(self.content), tool_calls)
+        return _chat_turn("".join(self.content), tool_calls, self.finish_reason)
 
 
 class ReplyReader:
@@ -157,7 +173,7 @@ class ReplyReader:
         try:
             if self.stream:
                 self._events()
-        except (ValueError, TypeError, AttributeError, KeyError):
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
             self._give_up()
             return
         # A JSON body is kept whole; a stream keeps its unfinished event and the reply so far.
@@ -174,7 +190,7 @@ class ReplyReader:
             return self._turn
         try:
             doc = json.loads(bytes(self._buffer))
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return chat_reply(doc) if self.api == "chat" else responses_reply(doc)
 
