@@ -164,7 +164,7 @@ def source_lines(results: Mapping[str, Any]) -> list[str]:
 
 def revision_label(key: str) -> str:
     """The label of a ``NAME/NAME@REV`` per-round headline."""
-    return f"E2E mean {key} (running code / revision {key.rpartition('@')[2]})"
+    return f"E2E mean {key} (running code / revision {key.partition('@')[2]})"
 
 
 def round_rows(rounds: Mapping[str, Any]) -> list[tuple[str, tuple[str, str]]]:
