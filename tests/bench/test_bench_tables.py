@@ -1,6 +1,6 @@
 """The cells and rows the terminal and Markdown reports share."""
 
-from tokencake.bench.tables import interval_cells, round_rows
+from tokencake.bench.tables import interval_cells, round_rows, table_pairs
 
 
 def test_one_round_has_no_interval():
@@ -15,4 +15,18 @@ def test_round_rows_list_headlines_then_each_systems_own_series():
         ("tokencake/ideal", "E2E mean tokencake/ideal"),
         ("x:e2e_mean_s", "x: app E2E mean (s)"),
         ("y:prefix_hit_rate", "y: prefix hit rate"),
+    ]
+
+
+def test_each_revision_is_compared_with_its_running_code_system():
+    names = ["tokencake@HEAD@{1}", "baseline", "tokencake", "spatial-off@v1", "ideal"]
+    assert table_pairs(names) == [
+        ("tokencake", "baseline"),
+        ("tokencake", "ideal"),
+        ("tokencake", "tokencake@HEAD@{1}"),
+    ]
+    rounds = {"tokencake/tokencake@HEAD@{1}": {}, "tokencake@HEAD@{1}:e2e_mean_s": {}}
+    assert [label for _key, (label, _spec) in round_rows(rounds)] == [
+        "E2E mean tokencake/tokencake@HEAD@{1} (running code / revision HEAD@{1})",
+        "tokencake@HEAD@{1}: app E2E mean (s)",
     ]

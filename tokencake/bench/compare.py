@@ -3,7 +3,7 @@ fraction of the ideal's gain, recompute avoided, and the ``tokencake`` system's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tokencake.bench.metrics import ratio
@@ -29,7 +29,7 @@ def compare(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         return s["server"]["computed_prompt_tokens"] if s else None
 
     out: dict[str, Any] = {}
-    for a, b in HEADLINE_PAIRS:
+    for a, b in pairs_of(systems):
         if a in systems and b in systems:
             out[f"{a}/{b}"] = {
                 "mean": mean_ratio(a, b),
@@ -131,6 +131,20 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("tokencake", "remaining-depth-first"),
     ("remaining-depth-first", "spatial-off"),
 )
+
+
+def revision_pairs(names: Iterable[str]) -> list[tuple[str, str]]:
+    """``(NAME, NAME@REV)`` for each system served from a git revision whose running-code system
+    NAME is among ``names``: the running code over the revision's (after / before a change)."""
+    names = list(names)
+    return [(n.partition("@")[0], n) for n in names if "@" in n and n.partition("@")[0] in names]
+
+
+def pairs_of(names: Iterable[str]) -> list[tuple[str, str]]:
+    """The pairs compared among systems ``names``: :data:`HEADLINE_PAIRS`, then :func:`revision_pairs`."""
+    return [*HEADLINE_PAIRS, *revision_pairs(names)]
+
+
 #: Extension summary fields of the ``tokencake`` system copied into each point's comparison.
 EXTENSION_HEADLINES: tuple[str, ...] = (
     "prefetch_on_time_rate",

@@ -15,6 +15,8 @@ from tokencake.bench.tables import (
     paired_cells,
     point_headlines,
     round_rows,
+    source_lines,
+    table_pairs,
 )
 
 
@@ -32,11 +34,12 @@ def markdown(results: Mapping[str, Any]) -> str:
         f"wall {results.get('wall_s', 0):.0f} s · {'valid' if results.get('valid') else '**INVALID**'}",
         "",
     ]
+    sources = source_lines(results)
+    if sources:
+        out += [f"- {line}" for line in sources] + [""]
     for point in results["points"]:
         systems = point["systems"]
-        pairs = [
-            p for p in (("tokencake", "baseline"), ("tokencake", "ideal")) if all(x in systems for x in p)
-        ]
+        pairs = table_pairs(systems)
         out.append(f"## {point['label']}")
         out.append("")
         out.append("| metric | " + " | ".join(systems) + "".join(f" | {a}/{b}" for a, b in pairs) + " |")

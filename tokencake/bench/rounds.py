@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tokencake.bench.compare import EXTENSION_HEADLINES, HEADLINE_PAIRS, compare
+from tokencake.bench.compare import EXTENSION_HEADLINES, compare, pairs_of
 from tokencake.bench.intervals import mean_ci, paired_ratio_bootstrap
 from tokencake.bench.metrics import ratio, summarize
 
@@ -46,8 +46,9 @@ def aggregate(points: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def reaggregate(results: dict[str, Any]) -> dict[str, Any]:
-    """A stored run's comparisons and aggregate recomputed from its points with this code's
-    :data:`HEADLINE_PAIRS` (a pair added after the run was made); the measurements are untouched."""
+    """A stored run's comparisons and aggregate recomputed from its points with this code's pairs
+    (:func:`~tokencake.bench.compare.pairs_of`: a pair added after the run was made); the
+    measurements are untouched."""
     for p in results["points"]:
         p["comparison"] = compare(p["systems"])
     if results.get("aggregate") is not None:
@@ -78,7 +79,7 @@ def paired_intervals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Every headline pair's ratio of mean E2E over paired apps, with a bootstrap 95 % interval
     that resamples apps, then each app's rounds (an app's rounds replay one workload)."""
     out: dict[str, Any] = {}
-    for a, b in HEADLINE_PAIRS:
+    for a, b in pairs_of(_names(rounds)):
         rows = _matched_apps(rounds, a, b)
         if rows:
             out[f"{a}/{b}"] = paired_ratio_bootstrap(
@@ -89,6 +90,11 @@ def paired_intervals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _names(rounds: list[dict[str, Any]]) -> list[str]:
+    """Every system that ran in any of ``rounds``, in order of first appearance."""
+    return list(dict.fromkeys(n for p in rounds for n in p["systems"]))
+
+
 def hash_seed(text: str) -> int:
     """A stable seed from a string (``hash`` is salted per process)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
@@ -97,16 +103,17 @@ def hash_seed(text: str) -> int:
 def per_round_intervals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Each headline of the rounds' comparisons per round, with its mean and 95 % t interval.
 
-    Keys: the mean-E2E ratios of :data:`HEADLINE_PAIRS`, ``captured_fraction`` and the extension's
-    :data:`EXTENSION_HEADLINES`; a key is present when at least one round measured it.
+    Keys: the mean-E2E ratios of the compared pairs (:func:`~tokencake.bench.compare.pairs_of`),
+    ``captured_fraction`` and the extension's :data:`EXTENSION_HEADLINES`; a key is present when at
+    least one round measured it.
     """
     series: dict[str, list[float | None]] = {}
-    for a, b in HEADLINE_PAIRS:
+    for a, b in pairs_of(_names(rounds)):
         key = f"{a}/{b}"
         series[key] = [(p["comparison"].get(key) or {}).get("mean") for p in rounds]
     for key in ("captured_fraction", *EXTENSION_HEADLINES):
         series[key] = [p["comparison"].get(key) for p in rounds]
-    for name in dict.fromkeys(n for p in rounds for n in p["systems"]):
+    for name in _names(rounds):
         for key, value in SYSTEM_SERIES.items():
             series[f"{name}:{key}"] = [
                 value(p["systems"][name]) if name in p["systems"] else None for p in rounds

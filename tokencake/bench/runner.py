@@ -11,6 +11,7 @@ nothing here formats output.
 from __future__ import annotations
 
 import random
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,7 @@ from tokencake.bench.compare import compare
 from tokencake.bench.environment import loadavg, machine, utc_now, versions
 from tokencake.bench.equal_work_check import equal_work
 from tokencake.bench.replay import replay, root_url
+from tokencake.bench.revisions import SourceTree, prepare_source
 from tokencake.bench.rounds import aggregate
 from tokencake.bench.systems import ServerConfig, SystemSpec, server_kwargs
 from tokencake.bench.workload import Workload
@@ -152,11 +154,13 @@ def run_bench(
     build_app: Callable[..., Any] = _apps.build,
     transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
     replicas_cls: Any = None,
+    src_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Run every point against every system, sequentially; returns the results dict.
 
     ``server_cls`` starts one server (default :class:`tokencake.serving.Server`), ``replicas_cls``
     a system's replicas behind a router (default :class:`tokencake.serving.replicas.Replicas`).
+    ``src_dir`` holds the exported trees of ``NAME@REV`` systems (:func:`sources_for`).
     """
     if server_cls is None:
         from tokencake.serving import Server as server_cls
@@ -169,6 +173,7 @@ def run_bench(
     failed_systems: list[str] = []
     if config.repeat < 1:
         raise ValueError("repeat must be >= 1")
+    sources = sources_for(config, src_dir)
     rounds = [(rep, point) for rep in range(config.repeat) for point in config.points]
     orders: list[dict[str, Any]] = []
     for rep, point in rounds:
@@ -177,11 +182,11 @@ def run_bench(
         run_order = system_order(config, rep, point.label)
         orders.append({"round": rep + 1, "point": point.label, "order": [s.name for s in run_order]})
         for spec in run_order:
-            kwargs = server_kwargs(spec, config.server, server_cls)
+            kwargs = server_kwargs(spec, config.server, server_cls, sources.get(spec.source_commit or ""))
             if log_dir is not None:
                 log_dir.mkdir(parents=True, exist_ok=True)
-                # Labels of swept points contain "/" ("hetero@0.25/s"): keep one flat log directory.
-                kwargs["log_file"] = str(log_dir / f"{label.replace('/', '_')}-{spec.name}.log")
+                # Labels of swept points ("hetero@0.25/s") and revisions may hold "/": one flat directory.
+                kwargs["log_file"] = str(log_dir / f"{label}-{spec.name}.log".replace("/", "_"))
             progress.system_starting(label, spec.name, point.workload.num_apps)
             t_boot = time.time()
             try:
@@ -275,8 +280,31 @@ def run_bench(
         "versions": versions_at_start,
         "machine": {**machine(), "loadavg_start": load_at_start, "loadavg_end": loadavg()},
         "system_orders": orders,
+        **({"sources": _sources_record(config, sources)} if sources else {}),
         "points": points_out,
         "aggregate": aggregate(points_out) if config.repeat > 1 else None,
+    }
+
+
+def sources_for(config: BenchConfig, src_dir: Path | None) -> dict[str, SourceTree]:
+    """The exported tree of every commit a ``NAME@REV`` system's server imports, by commit.
+
+    Under ``src_dir``, or a shared directory in the temp dir: an export is named by its full commit
+    and never changes once complete, so runs can share it.
+    """
+    commits = dict.fromkeys(s.source_commit for s in config.systems if s.source_commit)
+    if not commits:
+        return {}
+    dest = src_dir if src_dir is not None else Path(tempfile.gettempdir()) / "tokencake-bench-src"
+    return {c: prepare_source(c, dest, config.server) for c in commits}
+
+
+def _sources_record(config: BenchConfig, sources: Mapping[str, SourceTree]) -> dict[str, Any]:
+    """Per ``NAME@REV`` system: the commit its server ran and how its start differed."""
+    return {
+        s.name: sources[s.source_commit].to_dict()
+        for s in config.systems
+        if s.source_commit and s.source_commit in sources
     }
 
 

@@ -79,10 +79,12 @@ tell apart (``simulated``), and admits in the order the bench's server runs (:me
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokencake.bench.revisions import SourceTree, resolve_revision, split_name
 from tokencake.serving.server import SPATIAL_SCHEDULER
 
 #: Extension feature flags (kv_connector_extra_config keys read by the connector).
@@ -114,6 +116,9 @@ class SystemSpec:
     replicas: int = 1
     #: The router's policy when ``replicas > 1`` (``ROUTER_POLICIES``).
     router_policy: str = "consistent_hash"
+    #: The commit whose tokencake the server imports (``NAME@REV``; ``tokencake.bench.revisions``);
+    #: None: the running code's.
+    source_commit: str | None = None
     # -- tokencake sim only
     #: Offered by ``tokencake sim``.
     simulated: bool = True
@@ -149,6 +154,7 @@ class SystemSpec:
             **({"connector": dict(self.options)} if self.options else {}),
             **({"scheduler": self.scheduler} if self.scheduler else {}),
             **({"replicas": self.replicas, "router_policy": self.router_policy} if self.replicas > 1 else {}),
+            **({"source_commit": self.source_commit} if self.source_commit else {}),
         }
 
 
@@ -322,16 +328,27 @@ DEFAULT_SYSTEMS = ("baseline", "tokencake", "ideal")
 
 
 def resolve_systems(names: list[str] | tuple[str, ...] | None) -> list[SystemSpec]:
-    """Specs for ``names`` (aliases allowed, duplicates dropped); default: baseline, tokencake, ideal."""
+    """Specs for ``names`` (aliases allowed, duplicates dropped); default: baseline, tokencake, ideal.
+
+    ``NAME@REV`` is system NAME whose server imports tokencake from git revision REV
+    (:func:`at_revision`); an unknown NAME or REV is a one-line ValueError.
+    """
     out: list[SystemSpec] = []
     for raw in names or DEFAULT_SYSTEMS:
-        name = ALIASES.get(raw, raw)
+        given, rev = split_name(raw)
+        name = ALIASES.get(given, given)
         if name not in SYSTEMS:
             known = ", ".join([*SYSTEMS, *ALIASES])
-            raise ValueError(f"unknown system {raw!r}; choose from {known}")
-        if SYSTEMS[name] not in out:
-            out.append(SYSTEMS[name])
+            raise ValueError(f"unknown system {given!r}; choose from {known} (optionally as NAME@REV)")
+        spec = SYSTEMS[name] if rev is None else at_revision(SYSTEMS[name], rev)
+        if spec not in out:
+            out.append(spec)
     return out
+
+
+def at_revision(spec: SystemSpec, rev: str) -> SystemSpec:
+    """``spec`` served by tokencake at git revision ``rev``, named ``NAME@REV`` as given."""
+    return dataclasses.replace(spec, name=f"{spec.name}@{rev}", source_commit=resolve_revision(rev))
 
 
 @dataclass(frozen=True)
@@ -355,12 +372,15 @@ class ServerConfig:
 _FLAG_KWARGS = ("extension_config", "connector_config", "kv_connector_extra_config", "extension")
 
 
-def server_kwargs(spec: SystemSpec, config: ServerConfig, server_cls: Any) -> dict[str, Any]:
+def server_kwargs(
+    spec: SystemSpec, config: ServerConfig, server_cls: Any, source: SourceTree | None = None
+) -> dict[str, Any]:
     """Keyword arguments for ``tokencake.serving.Server`` that start ``spec``.
 
     Flags are passed as ``Server`` keywords when the launcher accepts them directly (``offload=``, ...),
     else through its extension-config keyword; a non-default flag set that the launcher cannot express is
-    an error rather than a silently mislabelled system.
+    an error rather than a silently mislabelled system. ``source`` (required when ``spec.source_commit``
+    is set) is the exported tree the server's processes import tokencake from.
     """
     kwargs: dict[str, Any] = {
         "model": config.model,
@@ -369,6 +389,15 @@ def server_kwargs(spec: SystemSpec, config: ServerConfig, server_cls: Any) -> di
         "max_model_len": config.max_model_len,
         "eager": config.eager,
     }
+    params = inspect.signature(server_cls).parameters
+    if spec.source_commit is not None:
+        if source is None or source.commit != spec.source_commit:
+            raise ValueError(f"system {spec.name!r} needs the exported tree of {spec.source_commit}")
+        if "env" not in params:
+            raise ValueError(f"system {spec.name!r} needs PYTHONPATH for its server; Server has no env")
+        kwargs["env"] = source.env()
+        if source.tool_call_parser is not None:
+            kwargs["tool_call_parser"] = source.tool_call_parser
     extra = tuple(config.extra_args)
     if spec.stock and spec.priority:
         extra += ("--scheduling-policy", "priority")
@@ -378,7 +407,6 @@ def server_kwargs(spec: SystemSpec, config: ServerConfig, server_cls: Any) -> di
         return kwargs
     if config.host_pool_blocks is not None:
         kwargs["host_pool_blocks"] = config.host_pool_blocks
-    params = inspect.signature(server_cls).parameters
     if "policy" in params:
         kwargs["policy"] = spec.policy
     elif spec.policy != "tokencake":

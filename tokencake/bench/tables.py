@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from tokencake.bench.compare import revision_pairs
 
 
 def lookup(data: Any, *path: str) -> Any:
@@ -137,9 +139,39 @@ SYSTEM_ROUND_ROWS: dict[str, tuple[str, str]] = {
 }
 
 
+def table_pairs(names: Iterable[str]) -> list[tuple[str, str]]:
+    """The ratio columns of a point's table among systems ``names``: tokencake over baseline and over
+    the ideal, and each ``NAME@REV`` system's running-code NAME over it (``revision_pairs``)."""
+    names = list(names)
+    fixed = [p for p in (("tokencake", "baseline"), ("tokencake", "ideal")) if all(x in names for x in p)]
+    return fixed + revision_pairs(names)
+
+
+def source_lines(results: Mapping[str, Any]) -> list[str]:
+    """One line per ``NAME@REV`` system: the commit its server imported tokencake from, against the
+    running code's (launcher, flags, workload, client), and how its server's start differed."""
+    running = lookup(results, "versions", "git_commit") or "?"
+    lines = []
+    for name, src in (results.get("sources") or {}).items():
+        line = (
+            f"{name}: server code of commit {src.get('commit')}; launcher, flags, workload and client "
+            f"of the running code ({running})"
+        )
+        diffs = src.get("server_differences") or []
+        lines.append(line + ("; started with " + "; ".join(diffs) if diffs else "; the same server flags"))
+    return lines
+
+
+def revision_label(key: str) -> str:
+    """The label of a ``NAME/NAME@REV`` per-round headline."""
+    return f"E2E mean {key} (running code / revision {key.partition('@')[2]})"
+
+
 def round_rows(rounds: Mapping[str, Any]) -> list[tuple[str, tuple[str, str]]]:
-    """The headline rows present in ``rounds``, then each system's own per-round rows."""
+    """The headline rows present in ``rounds``, the ``NAME/NAME@REV`` ones, then each system's own
+    per-round rows."""
     rows = [(k, v) for k, v in ROUND_HEADLINES.items() if k in rounds]
+    rows += [(k, (revision_label(k), ".3f")) for k in rounds if "@" in k and ":" not in k]
     for key in rounds:
         name, _, stat = key.partition(":")
         if stat in SYSTEM_ROUND_ROWS:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from tokencake.bench.compare import revision_pairs
 from tokencake.bench.metrics import ratio
 from tokencake.bench.tables import (
     TABLE_ROWS,
@@ -18,6 +19,8 @@ from tokencake.bench.tables import (
     paired_cells,
     point_headlines,
     round_rows,
+    source_lines,
+    table_pairs,
 )
 
 
@@ -30,9 +33,7 @@ def render(results: Mapping[str, Any], console: Console | None = None) -> None:
         table.add_column("metric")
         for name in systems:
             table.add_column(name, justify="right")
-        pairs = [
-            p for p in (("tokencake", "baseline"), ("tokencake", "ideal")) if all(x in systems for x in p)
-        ]
+        pairs = table_pairs(systems)
         for a, b in pairs:
             table.add_column(f"{a}/{b}", justify="right")
         for label, path, spec, scale in TABLE_ROWS:
@@ -46,7 +47,7 @@ def render(results: Mapping[str, Any], console: Console | None = None) -> None:
         console.print(table)
         comp = point["comparison"]
         lines = []
-        for key in ("tokencake/baseline", "tokencake/ideal", "baseline/ideal"):
+        for key in _ratio_keys(systems):
             if key in comp:
                 r = comp[key]
                 lines.append(f"E2E {key}: mean {fmt(r['mean'], '.3f')}  p95 {fmt(r['p95'], '.3f')}")
@@ -92,7 +93,7 @@ def render(results: Mapping[str, Any], console: Console | None = None) -> None:
                 f"({e2e['count']} apps), computed prompt tokens per round "
                 + fmt(s["computed_prompt_tokens"], ",.0f")
             )
-        for key in ("tokencake/baseline", "tokencake/ideal", "baseline/ideal"):
+        for key in _ratio_keys(agg["systems"]):
             if key in comp:
                 lines.append(
                     f"  E2E {key}: mean {fmt(comp[key]['mean'], '.3f')}  p95 {fmt(comp[key]['p95'], '.3f')}"
@@ -115,7 +116,15 @@ def render(results: Mapping[str, Any], console: Console | None = None) -> None:
             lines.append("  paired by app → ratio of mean E2E [bootstrap 95 % CI]:")
             lines += [f"  {key}: {cells.replace(' | ', ' · ')}" for key, cells in paired_cells(paired)]
         console.print("\n".join(lines))
+    for line in source_lines(results):
+        console.print(line, markup=False)
     for warning in results.get("warnings", []):
         console.print(f"[yellow]warning:[/] {warning}")
     verdict = "[green]valid[/]" if results["valid"] else "[bold red]INVALID[/]"
     console.print(f"results: {verdict} · wall {results['wall_s']:.0f} s")
+
+
+def _ratio_keys(systems: Iterable[str]) -> list[str]:
+    """The E2E ratios printed under a point: the three headlines and each ``NAME/NAME@REV``."""
+    pairs = revision_pairs(systems)
+    return ["tokencake/baseline", "tokencake/ideal", "baseline/ideal", *(f"{a}/{b}" for a, b in pairs)]

@@ -56,7 +56,9 @@ def register(subparsers: Any) -> None:
             "holding prefetched chains), return-reserve (room kept ahead of returns forced on; off "
             "on vLLM-CPU by default), continuum-queue "
             "(continuum + its queue order), replicas-affinity and replicas-round-robin (2 replicas "
-            "behind vllm-router); see docs/benchmarks.md"
+            "behind vllm-router). NAME@REV is system NAME whose server imports tokencake from git "
+            "revision REV of this checkout, with this code's launcher, flags, workload and client "
+            "(e.g. tokencake@945f1b2,tokencake: before and after a change); see docs/benchmarks.md"
         ),
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -252,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
         disable=not sys.stderr.isatty() and not console.is_terminal,
     ) as progress:
         try:
-            results = run_bench(config, log_dir=out / "logs", progress=_RichProgress(progress))
+            results = run_bench(
+                config, log_dir=out / "logs", progress=_RichProgress(progress), src_dir=out / ".src"
+            )
         except ValueError as exc:  # a configuration the launcher cannot express
             raise CLIError(str(exc)) from None
     written = report.write_all(results, out, plots=not args.no_plots)
