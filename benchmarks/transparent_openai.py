@@ -260,8 +260,13 @@ async def run_agent(
     ]
     common = {"model": model, "tools": TOOLS, "temperature": 0.0}
 
-    def extra(**fields: Any) -> dict[str, Any]:
-        return {**session.request_metadata(), **fields} if session is not None else fields
+    def extra(next_tool: str | None = None, **fields: Any) -> dict[str, Any]:
+        # The SDK arm announces the tool it forces, as an SDK user would (``next_stall``): the same
+        # knowledge transparent mode takes from the forced ``tool_choice``.
+        if session is None:
+            return fields
+        session.next_stall = next_tool
+        return {**session.request_metadata(), **fields}
 
     for turn, tool in enumerate(plan.tools):
         message = await _complete(
@@ -271,7 +276,7 @@ async def run_agent(
             messages=messages,
             tool_choice={"type": "function", "function": {"name": tool}},
             max_tokens=spec.tool_max_tokens,
-            extra_body=extra(),
+            extra_body=extra(tool),
             **common,
         )
         if not message.tool_calls:
