@@ -10,13 +10,16 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
 from tokencake.serving.machine import vllm_installed
 
 
-def _vllm_children() -> set[int]:
+def _vllm_children(tag: str) -> set[int]:
+    """vLLM processes whose environment carries ``tag``: the ones this test's run started (other
+    vLLM servers on the machine, another test's or a benchmark's, are not its to stop)."""
     # psutil comes with vLLM, not with `.[dev]`: importing it here keeps a dev-only install's
     # `pytest -m "not integration"` collecting (this test needs the serve stack anyway).
     import psutil
@@ -24,15 +27,24 @@ def _vllm_children() -> set[int]:
     found = set()
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(proc.info.get("cmdline") or [])
-        if "vllm.entrypoints.openai.api_server" in cmd or "VLLM::EngineCore" in cmd:
-            found.add(proc.info["pid"])
+        if "vllm.entrypoints.openai.api_server" not in cmd and "VLLM::EngineCore" not in cmd:
+            continue
+        try:
+            if proc.environ().get(_TAG_VAR) == tag:
+                found.add(proc.info["pid"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
     return found
+
+
+#: Marks the processes of this test's run (inherited by every child the run starts).
+_TAG_VAR = "TOKENCAKE_TEST_DEMO_TAG"
 
 
 def test_run_with_embedded_server_prints_answer_and_stops_server() -> None:
     if not vllm_installed():
         pytest.fail('needs the serve-cpu stack (`make venv`) — or deselect with -m "not integration"')
-    before = _vllm_children()
+    tag = uuid.uuid4().hex
     proc = subprocess.run(
         [
             sys.executable,
@@ -54,7 +66,7 @@ def test_run_with_embedded_server_prints_answer_and_stops_server() -> None:
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", _TAG_VAR: tag},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)  # --json: nothing but the document on stdout
@@ -64,4 +76,4 @@ def test_run_with_embedded_server_prints_answer_and_stops_server() -> None:
     assert doc["usage"]["completion"] > 0
     # The embedded server received the SDK's stall events (stderr summary of the extension's counters).
     assert f"tool calls (stalls): {doc['tool_calls']}" in proc.stderr
-    assert _vllm_children() <= before, "the embedded vLLM server outlived the run"
+    assert not _vllm_children(tag), "the embedded vLLM server outlived the run"
