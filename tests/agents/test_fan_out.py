@@ -42,9 +42,11 @@ async def test_fan_out_runs_instances_concurrently_and_joins_their_outputs_in_or
     app = _map_app()
     llm = tc.ScriptedLLM(lambda req: req.prompt.upper())
     rec = tc.StallRecorder()
-    t0 = time.perf_counter()
     result = await app.run({"text": "a b c d"}, llm=llm, stall=rec, run_id="r")
-    assert time.perf_counter() - t0 < 0.6  # four 0.2 s tools, run side by side
+    # Run side by side: every instance's tool call began before the first one ended (no wall-clock
+    # bound, which a loaded machine breaks).
+    kinds = [type(e).__name__ for e in rec.events]
+    assert kinds.index("StallEnd") >= 4, kinds
     assert result.output == "SUMMARIZE <A> + SUMMARIZE <B> + SUMMARIZE <C> + SUMMARIZE <D>"
     instances = [f"summarize[{i}]" for i in range(4)]
     assert all(result.nodes[n].status == "ok" for n in instances)
