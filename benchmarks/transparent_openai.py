@@ -75,7 +75,7 @@ from tokencake.bench.environment import loadavg, machine, utc_now, versions
 from tokencake.bench.equal_work_check import equal_work
 from tokencake.bench.presets import CPU_BLOCK_TOKENS
 from tokencake.bench.replay import WARMUP_PROMPT
-from tokencake.bench.rounds import hash_seed
+from tokencake.bench.rounds import balanced_orders, hash_seed
 from tokencake.bench.synthetic import MultiTurnSpec, document, words
 from tokencake.bench.systems import SYSTEMS, ServerConfig, server_kwargs
 from tokencake.events import STATS_PATH
@@ -188,19 +188,8 @@ def host_pool_blocks(spec: WorkloadSpec) -> int:
 
 
 def round_orders(systems: Sequence[str], rounds: int, seed: int) -> list[list[str]]:
-    """The system order of each round: rows of seeded Latin squares, so within every block of
-    ``len(systems)`` rounds each system runs once in each position (drift favours none)."""
-    out: list[list[str]] = []
-    block = 0
-    while len(out) < rounds:
-        rng = random.Random(f"transparent-openai-order:{seed}:{block}")
-        names = list(systems)
-        rng.shuffle(names)
-        rows = [names[i:] + names[:i] for i in range(len(names))]
-        rng.shuffle(rows)
-        out.extend(rows)
-        block += 1
-    return out[:rounds]
+    """The system order of each round (:func:`tokencake.bench.rounds.balanced_orders`)."""
+    return balanced_orders(systems, rounds, f"transparent-openai:{seed}")
 
 
 # -- one agent ------------------------------------------------------------------------------------

@@ -189,6 +189,15 @@ class FakeServer:
     def __exit__(self, *exc: object) -> None:
         self.exited = True
 
+    def vllm_args(self) -> list[str]:
+        """The provenance flags a real server's argv carries (``Server.vllm_args``)."""
+        args = ["--dtype", "float32", "--num-gpu-blocks-override", str(self.kwargs["num_gpu_blocks"])]
+        if not self.kwargs["baseline"]:
+            args += ["--scheduling-policy", "priority"]
+            if self.kwargs["scheduler_cls"]:
+                args += ["--scheduler-cls", self.kwargs["scheduler_cls"]]
+        return args
+
 
 @pytest.fixture
 def fake_vllm() -> type[FakeVLLM]:

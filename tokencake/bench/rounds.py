@@ -4,7 +4,8 @@ its mean and t interval, and paired-by-app ratios with a bootstrap interval."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+import random
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tokencake.bench.compare import EXTENSION_HEADLINES, compare, pairs_of
@@ -98,6 +99,27 @@ def _names(rounds: list[dict[str, Any]]) -> list[str]:
 def hash_seed(text: str) -> int:
     """A stable seed from a string (``hash`` is salted per process)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+
+
+def balanced_orders(names: Sequence[str], rounds: int, seed: str) -> list[list[str]]:
+    """The run order of each of ``rounds`` rounds: rows of seeded Latin squares.
+
+    Within every block of ``len(names)`` consecutive rounds each name runs once in each position, so a
+    drift over the run (warm caches, load from elsewhere) favours no system; with fewer rounds than
+    names, or a partial last block, no position holds a name twice more often than another. The same
+    ``seed`` gives the same orders; different blocks use different squares.
+    """
+    out: list[list[str]] = []
+    block = 0
+    while len(out) < rounds:
+        rng = random.Random(f"tokencake-round-order:{seed}:{block}")
+        base = list(names)
+        rng.shuffle(base)
+        rows = [base[i:] + base[:i] for i in range(len(base))]
+        rng.shuffle(rows)
+        out.extend(rows)
+        block += 1
+    return out[:rounds]
 
 
 def per_round_intervals(rounds: list[dict[str, Any]]) -> dict[str, Any]:

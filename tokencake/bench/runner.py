@@ -1,6 +1,6 @@
 """A whole benchmark: every workload point against every system, round after round.
 
-For each workload point and each system, one after another (in a seeded random order per round,
+For each workload point and each system, one after another (in a balanced order across rounds,
 :func:`system_order`): start a fresh server, replay the point on it (:mod:`tokencake.bench.replay`),
 stop the server. The systems of a point are then compared (:mod:`tokencake.bench.compare`) and the
 rounds pooled (:mod:`tokencake.bench.rounds`). The collected raw data goes into one results dict that
@@ -10,7 +10,6 @@ nothing here formats output.
 
 from __future__ import annotations
 
-import random
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -27,7 +26,7 @@ from tokencake.bench.environment import loadavg, machine, utc_now, versions
 from tokencake.bench.equal_work_check import equal_work
 from tokencake.bench.replay import replay, root_url
 from tokencake.bench.revisions import SourceTree, prepare_source
-from tokencake.bench.rounds import aggregate
+from tokencake.bench.rounds import aggregate, balanced_orders
 from tokencake.bench.systems import ServerConfig, SystemSpec, server_kwargs
 from tokencake.bench.workload import Workload
 from tokencake.events import STATS_PATH
@@ -56,9 +55,9 @@ class BenchConfig:
     repeat: int = 1
     #: One discarded chat completion per system before its replay (see :func:`tokencake.bench.replay.replay`).
     warmup: bool = True
-    #: Run the systems of each round in a seeded random order (:func:`system_order`), so that drift
-    #: of the machine over a long run (thermal, page cache, other load) does not always favour the
-    #: same system; False keeps the configured order.
+    #: Run the systems of each round in a seeded, position-balanced order (:func:`system_order`), so
+    #: that drift of the machine over a long run (thermal, page cache, other load) does not favour one
+    #: system; False keeps the configured order.
     shuffle_systems: bool = True
     #: Seed of the per-round system order (presets use the workload seed).
     order_seed: int = 0
@@ -134,15 +133,17 @@ def _fill_block_bytes(per_system: dict[str, Any]) -> None:
 
 
 def system_order(config: BenchConfig, rep: int, point: str) -> list[SystemSpec]:
-    """The order the systems run in for round ``rep`` (0-based) of ``point``: a seeded shuffle.
+    """The order the systems run in for round ``rep`` (0-based) of ``point``: balanced across rounds.
 
-    Seeded by ``config.order_seed``, the round and the point label, so a rerun with the same seed runs
-    the same orders, while the rounds of one run differ from each other.
+    Rows of seeded Latin squares (:func:`~tokencake.bench.rounds.balanced_orders`): in every block of
+    as many rounds as systems, each system runs once in each position. Seeded by
+    ``config.order_seed`` and the point label, so a rerun with the same seed runs the same orders.
     """
-    order = list(config.systems)
-    if config.shuffle_systems:
-        random.Random(f"tokencake-bench-order:{config.order_seed}:{rep}:{point}").shuffle(order)
-    return order
+    if not config.shuffle_systems:
+        return list(config.systems)
+    by_name = {s.name: s for s in config.systems}
+    rows = balanced_orders(list(by_name), rep + 1, f"{config.order_seed}:{point}")
+    return [by_name[n] for n in rows[rep]]
 
 
 def run_bench(
@@ -213,6 +214,7 @@ def run_bench(
                 progress.system_done(label, spec.name, time.time() - t_boot)
                 continue
             data["system"] = spec.to_dict()
+            data["served"] = served_provenance(server)
             blocks_each = config.server.blocks_for(spec)
             data["num_gpu_blocks"] = blocks_each * spec.replicas if blocks_each else blocks_each
             data["server_start_s"] = round(boot_s, 3)
@@ -306,6 +308,35 @@ def _sources_record(config: BenchConfig, sources: Mapping[str, SourceTree]) -> d
         for s in config.systems
         if s.source_commit and s.source_commit in sources
     }
+
+
+#: vLLM flags a results file records as the system's provenance: what the server was actually given.
+PROVENANCE_FLAGS = {
+    "dtype": ("--dtype", "auto"),
+    "scheduling_policy": ("--scheduling-policy", "fcfs"),
+    "scheduler_cls": ("--scheduler-cls", None),
+    "num_gpu_blocks": ("--num-gpu-blocks-override", None),
+    "max_model_len": ("--max-model-len", None),
+}
+
+
+def served_provenance(server: Any) -> dict[str, Any]:
+    """What one system's vLLM was started with (dtype, scheduling policy, scheduler class, blocks),
+    read from the argv the server built (its first replica's); vLLM's default where a flag is absent.
+    Empty when the server cannot say (a stand-in without ``vllm_args``)."""
+    target = (getattr(server, "servers", None) or [server])[0]
+    build = getattr(target, "vllm_args", None)
+    if build is None:
+        return {}
+    try:
+        args = list(build())
+    except Exception:  # provenance must never fail a measured run
+        return {}
+    out: dict[str, Any] = {}
+    for key, (flag, default) in PROVENANCE_FLAGS.items():
+        values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+        out[key] = values[-1] if values else default  # argparse keeps the last value
+    return out
 
 
 def _start(spec: SystemSpec, kwargs: dict[str, Any], server_cls: Any, replicas_cls: Any) -> Any:

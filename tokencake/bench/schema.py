@@ -24,6 +24,10 @@ _SYSTEM = {
             "properties": {"name": {"type": "string"}, "stock": {"type": "boolean"}},
         },
         "num_gpu_blocks": {"type": ["integer", "null"]},
+        "served": {
+            "type": "object",
+            "properties": {"dtype": {"type": "string"}, "scheduling_policy": {"type": "string"}},
+        },
         "replay_s": {"type": "number"},
         "server_start_s": {"type": "number"},
         "apps": {
