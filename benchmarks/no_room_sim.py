@@ -38,7 +38,7 @@ RUNS: tuple[str, ...] = (
     "docs/bench/stress-headclock-shared-results.json",
 )
 CAUSES: tuple[str, ...] = ("chain_exceeds_free", "running_floor", "queue_demand")
-#: The runs above ran on the faster host (``tokencake.sim.validate.FIXTURES``).
+#: The runs above ran on the faster host (``tokencake.sim.stored.FIXTURES``).
 PROFILE = "cpu-fast"
 
 

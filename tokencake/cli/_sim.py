@@ -81,8 +81,8 @@ def register(subparsers: Any) -> None:
         "--runs-dir",
         type=Path,
         metavar="DIR",
-        help="--validate reads the stored runs from DIR (a clone's docs/bench; default: the docs/bench "
-        "of the clone this package runs from, which an installed package does not ship)",
+        help="--validate reads the full stored results files from DIR (a clone's docs/bench; default: "
+        "the compact copies shipped with the package)",
     )
     p.set_defaults(func=run)
 
@@ -315,14 +315,8 @@ def _plots(doc: dict[str, Any], out: Path) -> list[Path]:
 
 def _validate(console: Any, json_path: Path | None, runs_dir: Path | None) -> int:
     from tokencake.sim.profiles import get_profile
-    from tokencake.sim.validate import (
-        TOLERANCE,
-        StoredRunsMissing,
-        fixtures_in,
-        ranking_violations,
-        table,
-        validate,
-    )
+    from tokencake.sim.stored import StoredRunsMissing, fixtures_in
+    from tokencake.sim.validate import TOLERANCE, describe, errors, ranking_violations, table, validate
 
     try:
         rows = validate(fixtures_in(runs_dir) if runs_dir is not None else None)
@@ -334,17 +328,21 @@ def _validate(console: Any, json_path: Path | None, runs_dir: Path | None) -> in
     for line in bad:
         console.print(f"[red]ranking: {line}[/red]")
     ok = worst <= TOLERANCE and not bad
+    summary = errors(rows)
     if json_path is not None:
         doc = {
             "kind": "tokencake-sim-validate",
             "profiles": {name: get_profile(name).__dict__ for name in sorted({r.profile for r in rows})},
             "tolerance": TOLERANCE,
             "worst_error": worst,
+            # The held-out rows test the model; the fitted ones only show how well the fit took.
+            "errors": summary,
             "ranking_violations": bad,
             "rows": {f"{r.preset}/{r.system}": r.__dict__ | {"error": r.error} for r in rows},
         }
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=1))
+    console.print(describe(summary))
     console.print(
         f"worst error {worst:.1%} (tolerance {TOLERANCE:.0%}); ranking "
         + ("same as measured (ties excepted)" if not bad else "DIFFERS")
