@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokencake.sim.stored import FIXTURES
-from tokencake.sim.validate import TOLERANCE, Row, describe, errors, ranking_violations, validate
+from tokencake.sim.validate import TOLERANCE, Row, describe, errors, per_run, ranking_violations, validate
 
 
 def test_predicted_mean_e2e_is_within_tolerance_of_the_real_runs_and_ranks_the_same() -> None:
@@ -41,6 +41,11 @@ def test_held_out_and_fitted_errors_are_reported_apart() -> None:
     text = describe(summary).splitlines()
     assert text[0].startswith("held-out runs (the test): worst 20.0%") and text[1].startswith("fitted runs")
     assert "held_out" not in errors(rows[:1])
+    runs = per_run(rows)
+    assert runs["a"] == pytest.approx(
+        {"profile": "cpu-measured", "fitted": True, "rows": 1, "worst": 0.1, "mean_abs": 0.1}
+    )
+    assert runs["b"]["fitted"] is False and runs["b"]["worst"] == pytest.approx(0.2)
 
 
 def test_a_run_on_one_host_is_not_predicted_by_the_other_hosts_profile() -> None:

@@ -316,7 +316,15 @@ def _plots(doc: dict[str, Any], out: Path) -> list[Path]:
 def _validate(console: Any, json_path: Path | None, runs_dir: Path | None) -> int:
     from tokencake.sim.profiles import get_profile
     from tokencake.sim.stored import StoredRunsMissing, fixtures_in
-    from tokencake.sim.validate import TOLERANCE, describe, errors, ranking_violations, table, validate
+    from tokencake.sim.validate import (
+        TOLERANCE,
+        describe,
+        errors,
+        per_run,
+        ranking_violations,
+        table,
+        validate,
+    )
 
     try:
         rows = validate(fixtures_in(runs_dir) if runs_dir is not None else None)
@@ -330,13 +338,20 @@ def _validate(console: Any, json_path: Path | None, runs_dir: Path | None) -> in
     ok = worst <= TOLERANCE and not bad
     summary = errors(rows)
     if json_path is not None:
+        from tokencake.bench.environment import versions
+
+        env = versions()
         doc = {
             "kind": "tokencake-sim-validate",
+            # Which code made these numbers (a dirty tree's numbers are not that commit's).
+            "git_commit": env.get("git_commit"),
+            "git_dirty": env.get("git_dirty"),
             "profiles": {name: get_profile(name).__dict__ for name in sorted({r.profile for r in rows})},
             "tolerance": TOLERANCE,
             "worst_error": worst,
             # The held-out rows test the model; the fitted ones only show how well the fit took.
             "errors": summary,
+            "runs": per_run(rows),
             "ranking_violations": bad,
             "rows": {f"{r.preset}/{r.system}": r.__dict__ | {"error": r.error} for r in rows},
         }

@@ -37,6 +37,7 @@ __all__ = [
     "fit",
     "grid_errors",
     "measured_copy_rates",
+    "per_run",
     "served_profile",
     "validate",
 ]
@@ -183,6 +184,24 @@ def table(rows: Iterable[Row]) -> str:
             f"| {r.measured_s:.1f} | {r.predicted_s:.1f} | {r.error:+.0%} |"
         )
     return "\n".join(lines)
+
+
+def per_run(rows: Iterable[Row]) -> dict[str, dict[str, Any]]:
+    """Per stored run: its profile, whether the profile was fitted on it, and its rows' worst and
+    mean absolute error."""
+    runs: dict[str, list[Row]] = {}
+    for r in rows:
+        runs.setdefault(r.preset, []).append(r)
+    return {
+        preset: {
+            "profile": group[0].profile,
+            "fitted": group[0].fitted,
+            "rows": len(group),
+            "worst": max(abs(r.error) for r in group),
+            "mean_abs": statistics.fmean(abs(r.error) for r in group),
+        }
+        for preset, group in runs.items()
+    }
 
 
 def describe(summary: Mapping[str, Mapping[str, float | int]]) -> str:
