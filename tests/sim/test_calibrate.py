@@ -109,3 +109,14 @@ def test_the_packaged_measurements_are_the_compact_of_the_stored_files() -> None
     data = measurements()
     assert data == compact_measurements(BENCH)
     assert data["device"] == "NVIDIA H200" and data["git_commit"] is None
+
+
+def test_the_report_states_each_case_and_which_were_fitted() -> None:
+    from tokencake.sim.calibrate import report
+
+    doc = report(H200)
+    assert doc["measured_on"]["device"] == "NVIDIA H200" and doc["measured_on"]["git_commit"] is None
+    assert doc["fitted_cases"] == 13 and doc["worst_fitted_error"] <= 0.10
+    assert doc["step"]["decode B=1 C=1024"]["leave_one_out"] is None
+    assert doc["step"]["decode B=256 C=16384"]["fitted"]
+    assert doc["decode_share"] == pytest.approx(H200.decode_share)

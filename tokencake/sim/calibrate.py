@@ -44,6 +44,7 @@ __all__ = [
     "launch_bound",
     "leave_one_out",
     "measurements",
+    "report",
     "step_cases",
     "step_errors",
 ]
@@ -61,6 +62,14 @@ STEP_CONSTANTS = (
     "attn_s_per_token_ctx",
     "decode_s_per_seq",
     "decode_s_per_ctx_token",
+)
+#: The copy constants ``fit_copies`` fits.
+_COPY_CONSTANTS = (
+    "d2h_bytes_per_s",
+    "h2d_bytes_per_s",
+    "copy_base_s",
+    "duplex_share",
+    "copy_compute_slowdown",
 )
 #: Step-like kernels beside a copy: a compute-slowdown reading above this is a clock change, not the
 #: copy (one matrix-product reading ran "alone" at 775 TFLOP/s against ~680 in every other).
@@ -230,24 +239,47 @@ def compact_measurements(runs_dir: Path) -> dict[str, Any]:
     }
 
 
-def _report(profile: HardwareProfile) -> str:
-    cases = step_cases()
+def report(profile: HardwareProfile) -> dict[str, Any]:
+    """The calibration of ``profile`` against the packaged measurements: per step case measured,
+    modelled, error, fitted or launch-bound, and its leave-one-out error; both fits."""
+    data = measurements()
+    cases = step_cases(data)
     loo = leave_one_out(cases)
-    lines = [f"{profile.name} step model vs {STEP_FILE} (fit: {len(fitted_cases(cases))} cases)"]
-    for r in step_errors(profile, cases):
-        held = f"  leave-one-out {loo[r['case']]:+.1%}" if r["case"] in loo else "  launch-bound, not fitted"
+    rows = step_errors(profile, cases)
+    fitted = [r for r in rows if r["fitted"]]
+    return {
+        "profile": profile.name,
+        "measured_on": {k: data[k] for k in ("device", "torch", "dtype", "git_commit", "sources")},
+        "launch_margin": LAUNCH_MARGIN,
+        "step": {r["case"]: {**r, "leave_one_out": loo.get(r["case"])} for r in rows},
+        "fitted_cases": len(fitted),
+        "worst_fitted_error": max(abs(r["error"]) for r in fitted),
+        "worst_leave_one_out": max(abs(e) for e in loo.values()),
+        "fit_step": fit_step(fitted_cases(cases)),
+        "fit_copies": fit_copies(data),
+        "profile_constants": {k: getattr(profile, k) for k in (*STEP_CONSTANTS, *_COPY_CONSTANTS)},
+        "decode_share": profile.decode_share,
+    }
+
+
+def _text(doc: Mapping[str, Any]) -> str:
+    lines = [f"{doc['profile']} step model vs {STEP_FILE} (fit: {doc['fitted_cases']} cases)"]
+    for case, r in doc["step"].items():
+        loo = r["leave_one_out"]
+        held = f"  leave-one-out {loo:+.1%}" if loo is not None else "  launch-bound, not fitted"
         lines.append(
-            f"  {r['case']:28s} measured {r['measured_s'] * 1e3:8.2f} ms"
+            f"  {case:28s} measured {r['measured_s'] * 1e3:8.2f} ms"
             f"  model {r['predicted_s'] * 1e3:8.2f} ms  {r['error']:+.1%}{held}"
         )
-    lines.append(f"  fit_step: {fit_step(fitted_cases(cases))}")
-    lines.append(f"  fit_copies: {fit_copies()}")
+    lines.append(f"  fit_step: {doc['fit_step']}")
+    lines.append(f"  fit_copies: {doc['fit_copies']}")
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m tokencake.sim.calibrate [--write DOCS_BENCH]
+if __name__ == "__main__":  # python -m tokencake.sim.calibrate [--write DOCS_BENCH] [--json OUT]
     import sys
 
+    from tokencake.bench.environment import versions
     from tokencake.sim.profiles import get_profile
 
     if "--write" in sys.argv:
@@ -255,4 +287,16 @@ if __name__ == "__main__":  # python -m tokencake.sim.calibrate [--write DOCS_BE
         target = Path(__file__).resolve().parent / "fixtures" / MEASUREMENTS
         target.write_text(json.dumps(compact_measurements(src), indent=1) + "\n")
         print(f"wrote {target}")
-    print(_report(get_profile("h200-llama3-8b")))
+    doc = report(get_profile("h200-llama3-8b"))
+    print(_text(doc))
+    if "--json" in sys.argv:
+        out = Path(sys.argv[sys.argv.index("--json") + 1])
+        env = versions()
+        doc = {
+            "kind": "tokencake-sim-calibration",
+            "git_commit": env.get("git_commit"),
+            "git_dirty": env.get("git_dirty"),
+            **doc,
+        }
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {out}")
