@@ -117,6 +117,10 @@ def test_the_report_states_each_case_and_which_were_fitted() -> None:
     doc = report(H200)
     assert doc["measured_on"]["device"] == "NVIDIA H200" and doc["measured_on"]["git_commit"] is None
     assert doc["fitted_cases"] == 13 and doc["worst_fitted_error"] <= 0.10
-    assert doc["step"]["decode B=1 C=1024"]["leave_one_out"] is None
-    assert doc["step"]["decode B=256 C=16384"]["fitted"]
+    step = {r["case"]: r for r in doc["step"]}
+    assert [r["case"] for r in doc["step"]] == [c.case for c in step_cases()]
+    assert step["decode B=1 C=1024"]["leave_one_out"] is None
+    assert (
+        step["decode B=256 C=16384"]["fitted"] and step["decode B=256 C=16384"]["leave_one_out"] is not None
+    )
     assert doc["decode_share"] == pytest.approx(H200.decode_share)

@@ -251,7 +251,7 @@ def report(profile: HardwareProfile) -> dict[str, Any]:
         "profile": profile.name,
         "measured_on": {k: data[k] for k in ("device", "torch", "dtype", "git_commit", "sources")},
         "launch_margin": LAUNCH_MARGIN,
-        "step": {r["case"]: {**r, "leave_one_out": loo.get(r["case"])} for r in rows},
+        "step": [{**r, "leave_one_out": loo.get(r["case"])} for r in rows],
         "fitted_cases": len(fitted),
         "worst_fitted_error": max(abs(r["error"]) for r in fitted),
         "worst_leave_one_out": max(abs(e) for e in loo.values()),
@@ -264,8 +264,8 @@ def report(profile: HardwareProfile) -> dict[str, Any]:
 
 def _text(doc: Mapping[str, Any]) -> str:
     lines = [f"{doc['profile']} step model vs {STEP_FILE} (fit: {doc['fitted_cases']} cases)"]
-    for case, r in doc["step"].items():
-        loo = r["leave_one_out"]
+    for r in doc["step"]:
+        case, loo = r["case"], r["leave_one_out"]
         held = f"  leave-one-out {loo:+.1%}" if loo is not None else "  launch-bound, not fitted"
         lines.append(
             f"  {case:28s} measured {r['measured_s'] * 1e3:8.2f} ms"
