@@ -247,6 +247,7 @@ def report(profile: HardwareProfile) -> dict[str, Any]:
     loo = leave_one_out(cases)
     rows = step_errors(profile, cases)
     fitted = [r for r in rows if r["fitted"]]
+    copies = fit_copies(data)
     return {
         "profile": profile.name,
         "measured_on": {k: data[k] for k in ("device", "torch", "dtype", "git_commit", "sources")},
@@ -256,7 +257,8 @@ def report(profile: HardwareProfile) -> dict[str, Any]:
         "worst_fitted_error": max(abs(r["error"]) for r in fitted),
         "worst_leave_one_out": max(abs(e) for e in loo.values()),
         "fit_step": fit_step(fitted_cases(cases)),
-        "fit_copies": fit_copies(data),
+        "fit_copies": copies,
+        "copy_gb_per_s": {d: copies[f"{d}_bytes_per_s"] / 1e9 for d in ("d2h", "h2d")},
         "profile_constants": {k: getattr(profile, k) for k in (*STEP_CONSTANTS, *_COPY_CONSTANTS)},
         "decode_share": profile.decode_share,
     }
