@@ -187,7 +187,7 @@ PROFILES: dict[str, HardwareProfile] = {
     # The same setup on the faster kind of host: about 2.5 x fewer seconds per computed token.
     # Copies as its runs with the host pool populated at start measured them (offloads 8.8-10 GB/s,
     # loads 8.3-8.4 GB/s); its runs that saved into first-touch pages (~0.13 GB/s) are replayed at
-    # their own rates (validate.Fixture.copies_as_measured, docs/reliability.md).
+    # their own rates (stored.Fixture.copies_as_measured, docs/reliability.md).
     "cpu-fast": _CPU_MEASURED.with_(
         name="cpu-fast",
         description="as cpu-measured, on the faster kind of 2-core host",

@@ -9,7 +9,7 @@ out either way). ``tests/sim/test_validate.py`` keeps the check.
 
 The stored runs come from two kinds of 2-core host (one computes a token about 2.5 × faster), so
 each run names the profile of its host, and each CPU profile is fitted (``fit``) on its own
-``ci`` + ``headroom`` runs (``Fixture.fitted``). Only the other, held-out runs test the model:
+``ci`` + ``headroom`` runs (``stored.Fixture.fitted``). Only the other, held-out runs test the model:
 ``errors`` reports them apart from the fitted ones.
 """
 
