@@ -261,7 +261,7 @@ def test_runs_of_single_rounds_pool_into_the_run_of_all_rounds(fake_server, fake
     assert [p["system_orders"][0]["order"] for p in parts] == [whole[2], whole[0], whole[1]]
     assert all(p["aggregate"] is None for p in parts)  # one round: nothing to pool
     assert _run_rounds(fake_server, config, tmp_path, [0, 2])["rounds_run"] == [1, 3]
-    with pytest.raises(ValueError, match="rounds must be among 0..2"):
+    with pytest.raises(ValueError, match=r"rounds must be among 0\.\.2"):
         _run_rounds(fake_server, config, tmp_path, [3])
 
 
