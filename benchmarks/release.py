@@ -125,7 +125,7 @@ def create(
     check_identity(None, ident)
     used = used_seeds(root)
     drawn = fresh_draws(draws, used, randbits)
-    chosen = plan_systems(plan)
+    chosen = plan_systems(plan, draws)
     ws = make_workloads(chosen, drawn)
     units = []
     for rep in range(rounds):

@@ -73,10 +73,10 @@ class Plan:
     cut: list[str] = field(default_factory=list)
 
 
-def plan_systems(name: str) -> Plan:
+def plan_systems(name: str, n_draws: int = DRAWS) -> Plan:
     """The systems per workload of plan ``name`` (``default`` or ``full``); draws are ``draw-<i>``."""
     fixed = ("ci", "headroom", "stress-hetero", "stress-shared")
-    draws = tuple(f"draw-{i + 1}" for i in range(DRAWS))
+    draws = tuple(f"draw-{i + 1}" for i in range(n_draws))
     if name == "full":
         return Plan(name, {**{w: ALL_SYSTEMS for w in (*fixed, *draws)}, "no-pressure": NO_PRESSURE})
     if name != "default":
