@@ -73,6 +73,22 @@ def test_lru_reclaim_of_released_slots() -> None:
     assert pool.stats()["reclaimed"] == 2
 
 
+def test_a_release_puts_its_slots_in_the_lru_in_slot_order() -> None:
+    # Pins and unpins leave the owner's slot set iterating as [3, 1] on CPython; the LRU order of
+    # slots released together must not depend on that history.
+    pool = HostPool(6)
+    for slot in pool.allocate(6, "y"):
+        pool.commit(bytes([slot]) * 32, slot)
+    pool.release("y")
+    for slot in (0, 1, 3):
+        pool.pin(slot, "x")
+    pool.unpin(0, "x")
+    pool.unpin(3, "x")
+    pool.pin(3, "x")
+    pool.release("x")
+    assert pool.allocate(6, "z") == [2, 4, 5, 0, 1, 3]
+
+
 def test_free_slots_before_reclaim() -> None:
     pool = HostPool(3)
     a = fill(pool, "s1", [h(1)])

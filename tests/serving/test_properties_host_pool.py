@@ -137,7 +137,7 @@ class HostPoolMachine(RuleBasedStateMachine):
     def release(self, owner: str) -> None:
         held = [s for s in range(CAPACITY) if owner in self.owners[s]]
         assert self.pool.release(owner) == len(held)
-        for s in held:  # ascending: the order a small int set iterates in
+        for s in held:  # slot order, as HostPool.release documents
             self._remove_owner(s, owner)
 
     def _invalidate(self, slot: int) -> None:

@@ -319,11 +319,12 @@ class HostPool:
     def release(self, owner: str) -> int:
         """Unpin every slot ``owner`` holds (stall ended, expired or failed); returns how many.
 
-        Released ready slots stay cached and become LRU-reclaimable; filling slots stay filling
-        (their copy decides: :meth:`commit` or :meth:`invalidate`).
+        Released ready slots stay cached and become LRU-reclaimable, in slot order (the order a
+        set of slots iterates in depends on its history, and reclaim order must not); filling slots
+        stay filling (their copy decides: :meth:`commit` or :meth:`invalidate`).
         """
         with self._lock:
-            slots = list(self._owned.get(owner, ()))
+            slots = sorted(self._owned.get(owner, ()))
             for slot in slots:
                 self._remove_owner(slot, owner)
             return len(slots)
