@@ -7,7 +7,7 @@ that a run has both systems of. A pair added after a run was made (a new ablatio
 points, leaving every measurement as it is, and records the commit that did it
 (``reaggregated_at``).
 
-    python benchmarks/reaggregate.py docs/bench/unseen-real-6-order-results.json
+    python benchmarks/reaggregate.py docs/bench/NAME-results.json
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ def draw(rng: random.Random) -> dict[str, Any]:
             return knobs
 
 
-def command(knobs: dict[str, Any], *, systems: str, repeat: int, out: Path) -> list[str]:
-    """The ``tokencake bench`` command line that replays the drawn workload."""
+def bench_args(knobs: dict[str, Any]) -> list[str]:
+    """The ``tokencake bench`` arguments that build the drawn workload (no systems, rounds or output)."""
     flags = {
         "--points": knobs["point"],
         "--apps": knobs["apps"],
@@ -81,14 +81,17 @@ def command(knobs: dict[str, Any], *, systems: str, repeat: int, out: Path) -> l
         "--rates": knobs["rate"],
         "--device-blocks": knobs["device_blocks"],
         "--seed": knobs["seed"],
-        "--systems": systems,
-        "--repeat": repeat,
-        "--out": out,
     }
-    cmd = [sys.executable, "-m", "tokencake", "bench", "--preset", "stress"]
+    args = ["--preset", "stress"]
     for flag, value in flags.items():
-        cmd += [flag, str(value)]
-    return cmd
+        args += [flag, str(value)]
+    return args
+
+
+def command(knobs: dict[str, Any], *, systems: str, repeat: int, out: Path) -> list[str]:
+    """The ``tokencake bench`` command line that replays the drawn workload."""
+    run = ["--systems", systems, "--repeat", str(repeat), "--out", str(out)]
+    return [sys.executable, "-m", "tokencake", "bench", *bench_args(knobs), *run]
 
 
 def main() -> int:

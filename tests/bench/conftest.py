@@ -194,6 +194,8 @@ class FakeServer:
         args = ["--dtype", "float32", "--num-gpu-blocks-override", str(self.kwargs["num_gpu_blocks"])]
         if not self.kwargs["baseline"]:
             args += ["--scheduling-policy", "priority"]
+            extra = {"host_pool_blocks": self.kwargs["host_pool_blocks"]}
+            args += ["--kv-transfer-config", json.dumps({"kv_connector_extra_config": extra})]
             if self.kwargs["scheduler_cls"]:
                 args += ["--scheduler-cls", self.kwargs["scheduler_cls"]]
         return args

@@ -44,3 +44,13 @@ def test_round_ratios_compare_the_same_apps_when_one_was_lost():
     assert comp["captured_fraction"] == pytest.approx((30 - 20) / (30 - 10))
     paired = paired_intervals([{"systems": systems}] * 3)
     assert paired["tokencake/baseline"]["n_pairs"] == 6 and paired["tokencake/baseline"]["n_apps"] == 2
+
+
+def test_tokencake_and_both_stock_orders_are_compared_with_the_true_reference(make_round):
+    comp = make_round(
+        1, baseline=20.0, baseline_priority=18.0, tokencake=16.5, tokencake_roomy=15.0, ideal=16.0
+    )["comparison"]
+    assert comp["tokencake/tokencake-roomy"]["mean"] == pytest.approx(1.1)
+    assert comp["baseline-priority/tokencake-roomy"]["mean"] == pytest.approx(1.2)
+    assert comp["baseline/tokencake-roomy"]["mean"] == pytest.approx(20 / 15)
+    assert comp["tokencake/baseline-priority"]["mean"] == pytest.approx(16.5 / 18)

@@ -241,11 +241,38 @@ def test_results_record_what_each_server_was_started_with(fake_server, fake_vllm
     assert served["scheduling_policy"] == "priority" and served["dtype"] == "float32"
     assert served["scheduler_cls"] == systems["tokencake"]["system"]["scheduler"]
     assert served["num_gpu_blocks"] == str(systems["tokencake"]["num_gpu_blocks"])
+    assert served["host_pool_blocks"] == config.server.host_pool_blocks > 0
+    assert systems["baseline"]["served"]["host_pool_blocks"] is None
     assert isinstance(results["machine"]["cpu_flags"], list)
 
 
 def test_served_provenance_is_empty_when_the_server_cannot_say():
     assert served_provenance(object()) == {}
+
+
+def test_runs_of_single_rounds_pool_into_the_run_of_all_rounds(fake_server, fake_vllm, tmp_path):
+    fake_server.make_backend = staticmethod(lambda server: fake_vllm())
+    names = ["baseline", "tokencake", "ideal"]
+    config = presets.build("ci", presets.Overrides(systems=names, repeat=3, seed=2, **TINY))
+    whole = [[s.name for s in system_order(config, rep, "ci")] for rep in range(3)]
+    parts = [_run_rounds(fake_server, config, tmp_path, [rep]) for rep in (2, 0, 1)]
+    assert [p["rounds_run"] for p in parts] == [[3], [1], [2]]
+    assert [p["points"][0]["label"] for p in parts] == ["ci#3", "ci#1", "ci#2"]
+    assert [p["system_orders"][0]["order"] for p in parts] == [whole[2], whole[0], whole[1]]
+    assert all(p["aggregate"] is None for p in parts)  # one round: nothing to pool
+    assert _run_rounds(fake_server, config, tmp_path, [0, 2])["rounds_run"] == [1, 3]
+    with pytest.raises(ValueError, match=r"rounds must be among 0\.\.2"):
+        _run_rounds(fake_server, config, tmp_path, [3])
+
+
+def _run_rounds(fake_server, config, tmp_path, rounds):
+    return run_bench(
+        config,
+        server_cls=fake_server,
+        log_dir=tmp_path / "logs",
+        transport=lambda: fake_server.instances[-1].backend.transport(),
+        rounds=rounds,
+    )
 
 
 def test_two_systems_alternate_first_over_rounds():

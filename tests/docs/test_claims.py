@@ -68,3 +68,12 @@ def test_check_and_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert main([str(doc)]) == 1
     assert main(["--write", str(doc)]) == 0
     assert "2.0<!--/bench-->" in doc.read_text() and main(["--check", str(doc)]) == 0
+
+
+def test_render_reads_a_rewritten_source_again(tmp_path: Path) -> None:
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps({"n": 1.0}))
+    text = "<!--bench r.json n .1f-->x<!--/bench-->"
+    assert claims(render(text, tmp_path))[0][3] == "1.0"
+    src.write_text(json.dumps({"n": 22.0}))  # a generator rewrites its summary, then renders again
+    assert claims(render(text, tmp_path))[0][3] == "22.0"

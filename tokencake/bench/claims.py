@@ -40,8 +40,14 @@ class ClaimError(ValueError):
     """A marker whose source is missing or whose path does not resolve."""
 
 
-@cache
 def _load(path: Path) -> Any:
+    """The parsed file, read again when it changed (a generator may rewrite it between renders)."""
+    st = path.stat()
+    return _parse(path, st.st_mtime_ns, st.st_size)
+
+
+@cache
+def _parse(path: Path, _mtime_ns: int, _size: int) -> Any:
     return json.loads(path.read_text())
 
 

@@ -94,6 +94,11 @@ HEADLINE_PAIRS: tuple[tuple[str, str], ...] = (
     ("tokencake-roomy", "ideal-priority"),
     ("tokencake", "baseline-priority"),
     ("ideal-priority", "ideal"),
+    # Against the true reference, TokenCake's own scheduler with KV that never evicts: what eviction
+    # costs TokenCake, and what it costs stock vLLM with the same (priority) and with its default order.
+    ("tokencake", "tokencake-roomy"),
+    ("baseline-priority", "tokencake-roomy"),
+    ("baseline", "tokencake-roomy"),
     # The literature's policies in the same server (issue 10): tokencake against each, each against the ideal.
     ("tokencake", "offload-all"),
     ("tokencake", "continuum"),

@@ -10,9 +10,10 @@ nothing here formats output.
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,12 +157,16 @@ def run_bench(
     transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
     replicas_cls: Any = None,
     src_dir: Path | None = None,
+    rounds: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Run every point against every system, sequentially; returns the results dict.
 
     ``server_cls`` starts one server (default :class:`tokencake.serving.Server`), ``replicas_cls``
     a system's replicas behind a router (default :class:`tokencake.serving.replicas.Replicas`).
     ``src_dir`` holds the exported trees of ``NAME@REV`` systems (:func:`sources_for`).
+    ``rounds``: the 0-based rounds to run, of ``config.repeat`` (default all): each runs in its own
+    balanced order (:func:`system_order`) and is labelled as in the whole run, so runs of disjoint
+    rounds pool into the run of all of them (a resumable run set runs one round at a time).
     """
     if server_cls is None:
         from tokencake.serving import Server as server_cls
@@ -174,10 +179,12 @@ def run_bench(
     failed_systems: list[str] = []
     if config.repeat < 1:
         raise ValueError("repeat must be >= 1")
+    reps = list(range(config.repeat)) if rounds is None else list(dict.fromkeys(rounds))
+    if not reps or any(not 0 <= rep < config.repeat for rep in reps):
+        raise ValueError(f"rounds must be among 0..{config.repeat - 1}, got {list(rounds or [])}")
     sources = sources_for(config, src_dir)
-    rounds = [(rep, point) for rep in range(config.repeat) for point in config.points]
     orders: list[dict[str, Any]] = []
-    for rep, point in rounds:
+    for rep, point in [(rep, point) for rep in reps for point in config.points]:
         label = point.label if config.repeat == 1 else f"{point.label}#{rep + 1}"
         per_system: dict[str, Any] = {}
         run_order = system_order(config, rep, point.label)
@@ -282,9 +289,11 @@ def run_bench(
         "versions": versions_at_start,
         "machine": {**machine(), "loadavg_start": load_at_start, "loadavg_end": loadavg()},
         "system_orders": orders,
+        # 1-based, as the points' ``repeat``: every round of ``config.repeat`` unless ``rounds`` chose some.
+        "rounds_run": [rep + 1 for rep in reps],
         **({"sources": _sources_record(config, sources)} if sources else {}),
         "points": points_out,
-        "aggregate": aggregate(points_out) if config.repeat > 1 else None,
+        "aggregate": aggregate(points_out) if len(reps) > 1 else None,
     }
 
 
@@ -321,9 +330,11 @@ PROVENANCE_FLAGS = {
 
 
 def served_provenance(server: Any) -> dict[str, Any]:
-    """What one system's vLLM was started with (dtype, scheduling policy, scheduler class, blocks),
-    read from the argv the server built (its first replica's); vLLM's default where a flag is absent.
-    Empty when the server cannot say (a stand-in without ``vllm_args``)."""
+    """What one system's vLLM was started with (dtype, scheduling policy, scheduler class, device
+    blocks, and the connector's host-pool blocks), read from the argv the server built (its first
+    replica's); vLLM's default where a flag is absent, ``host_pool_blocks`` None without the
+    connector or a pool size in blocks. Empty when the server cannot say (a stand-in without
+    ``vllm_args``)."""
     target = (getattr(server, "servers", None) or [server])[0]
     build = getattr(target, "vllm_args", None)
     if build is None:
@@ -334,9 +345,24 @@ def served_provenance(server: Any) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     for key, (flag, default) in PROVENANCE_FLAGS.items():
-        values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
-        out[key] = values[-1] if values else default  # argparse keeps the last value
+        out[key] = _flag(args, flag, default)
+    out["host_pool_blocks"] = _host_pool_blocks(_flag(args, "--kv-transfer-config", None))
     return out
+
+
+def _flag(args: list[str], flag: str, default: str | None) -> str | None:
+    """The value of ``flag`` in ``args`` (argparse keeps the last one), else ``default``."""
+    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+    return values[-1] if values else default
+
+
+def _host_pool_blocks(transfer_config: str | None) -> int | None:
+    """``host_pool_blocks`` of a ``--kv-transfer-config`` JSON's connector config, if any."""
+    try:
+        extra = json.loads(transfer_config or "{}").get("kv_connector_extra_config") or {}
+        return int(extra["host_pool_blocks"]) if "host_pool_blocks" in extra else None
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 def _start(spec: SystemSpec, kwargs: dict[str, Any], server_cls: Any, replicas_cls: Any) -> Any:

@@ -41,8 +41,9 @@ state.
 ``reserve-arrival`` ``tokencake`` whose critical-reserve wait (and the slack it is held against) counts
                     from the request's arrival, not from its first look at the head of the queue
                     (connector ``critical_reserve_wait_from=arrival``: the earlier rule)
-``apps-side-by-side`` ``tokencake`` with the spatial score's earlier weights (connector
-                    ``admission=apps-side-by-side``: apps that started seconds apart served side by side)
+``apps-side-by-side`` ``tokencake`` whose spatial score weighs an app's age 0.1 s per second against 10 s
+                    credits for held or saved chains (connector ``admission=apps-side-by-side``):
+                    apps that started seconds apart served side by side
 ``static-slack``    ``tokencake`` with the SDK's slack fixed (connector ``admission=static-slack``): a
                     branch that queued past its slack is not moved to the critical path
 ``remaining-depth-first`` ``tokencake`` with the DAG depth left as a credit, the earlier
@@ -268,7 +269,8 @@ ALL_SYSTEMS: dict[str, SystemSpec] = {
         _tokencake_with(
             "apps-side-by-side",
             {"admission": "apps-side-by-side"},
-            "tokencake with the spatial score's weights before 2026-12-05 (apps side by side)",
+            "tokencake whose spatial score weighs an app's age 0.1 s per second against 10 s chain "
+            "credits (apps that started seconds apart served side by side)",
         ),
         _tokencake_with(
             "static-slack",
@@ -398,6 +400,8 @@ def server_kwargs(
         kwargs["env"] = source.env()
         if source.tool_call_parser is not None:
             kwargs["tool_call_parser"] = source.tool_call_parser
+        if not source.transparent and not spec.stock:
+            kwargs["transparent"] = False
     extra = tuple(config.extra_args)
     if spec.stock and spec.priority:
         extra += ("--scheduling-policy", "priority")
