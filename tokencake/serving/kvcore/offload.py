@@ -181,6 +181,7 @@ class OffloadPlanning:
             self._after_host_preemption(taken, losers)
         blocks = [dev for _i, _h, dev in todo]
         self.core.pool.pin(blocks)
+        self.core.holds.counts.forget()  # a held block may be among them (``HoldCounts``)
         job = self.core.copies.new_job(
             "offload",
             [h for _i, h, _d in todo],
