@@ -14,7 +14,14 @@ from rich.console import Console
 
 from tokencake.bench import presets, revisions, terminal
 from tokencake.bench.markdown import markdown
-from tokencake.bench.revisions import SourceTree, export_tree, prepare_source, resolve_revision, split_name
+from tokencake.bench.revisions import (
+    TRANSPARENT_MODULE,
+    SourceTree,
+    export_tree,
+    prepare_source,
+    resolve_revision,
+    split_name,
+)
 from tokencake.bench.runner import run_bench
 from tokencake.bench.systems import SYSTEMS, ServerConfig, resolve_systems, server_kwargs
 from tokencake.cli import main
@@ -156,13 +163,22 @@ def test_a_tree_without_the_parser_plugin_gets_the_parser_it_extends(repo: Path,
     old = _git(repo, "rev-parse", "old")
     tree = prepare_source(old, tmp_path / "src", ServerConfig())
     assert tree.tool_call_parser == "hermes"
-    (note,) = tree.differences
+    note, no_transparent = tree.differences
     assert note.startswith("--tool-call-parser hermes without --tool-parser-plugin") and PARSER_PLUGIN in note
-    assert tree.to_dict() == {"commit": old, "server_differences": [note]}
-    # A tree that has the plug-in is served with the launcher's flags unchanged.
-    plugin = tree.root.joinpath(*PARSER_PLUGIN.split(".")).with_suffix(".py")
-    plugin.write_text("")
+    assert no_transparent.startswith("no transparent mode") and not tree.transparent
+    assert tree.to_dict() == {"commit": old, "server_differences": [note, no_transparent]}
+    # A tree that has the plug-in and the middleware is served with the launcher's flags unchanged.
+    for module in (PARSER_PLUGIN, TRANSPARENT_MODULE):
+        tree.root.joinpath(*module.split(".")).with_suffix(".py").write_text("")
     assert prepare_source(old, tmp_path / "src", ServerConfig()) == SourceTree(old, tree.root)
+
+
+def test_a_tree_without_transparent_mode_starts_its_server_without_it(tmp_path: Path):
+    spec = dataclasses.replace(SYSTEMS["tokencake"], name="tokencake@a", source_commit="a" * 40)
+    old = SourceTree("a" * 40, tmp_path, transparent=False)
+    assert server_kwargs(spec, ServerConfig(), Server, old)["transparent"] is False
+    assert "transparent" not in server_kwargs(spec, ServerConfig(), Server, SourceTree("a" * 40, tmp_path))
+    assert "transparent" not in server_kwargs(SYSTEMS["tokencake"], ServerConfig(), Server)
 
 
 def test_a_missing_plugin_of_an_unknown_parser_is_an_error(
@@ -173,7 +189,9 @@ def test_a_missing_plugin_of_an_unknown_parser_is_an_error(
     with pytest.raises(ValueError, match=r"has no x\.y \(tool-parser plug-in of 'mine'\)"):
         prepare_source(_git(repo, "rev-parse", "old"), tmp_path / "src", ServerConfig())
     monkeypatch.setattr(revisions, "launcher_tool_args", lambda server: ["--tool-call-parser", "mine"])
-    assert prepare_source(_git(repo, "rev-parse", "old"), tmp_path / "src", ServerConfig()).differences == ()
+    tree = prepare_source(_git(repo, "rev-parse", "old"), tmp_path / "src", ServerConfig())
+    assert tree.tool_call_parser is None
+    assert not any(d.startswith("--tool-call-parser") for d in tree.differences)
 
 
 def test_before_and_after_in_one_run(repo: Path, tmp_path: Path, fake_server: Any, fake_vllm: Any):
@@ -181,15 +199,22 @@ def test_before_and_after_in_one_run(repo: Path, tmp_path: Path, fake_server: An
     fake_server.make_backend = staticmethod(lambda server: fake_vllm(hit_fraction=0.5, stats=stats))
 
     class Revisable(fake_server):  # type: ignore[misc,valid-type]
-        def __init__(self, *args: Any, env: Any = None, tool_call_parser: Any = None, **kw: Any) -> None:
+        def __init__(
+            self,
+            *args: Any,
+            env: Any = None,
+            tool_call_parser: Any = None,
+            transparent: Any = None,
+            **kw: Any,
+        ) -> None:
             super().__init__(*args, **kw)
-            self.kwargs |= {"env": env, "tool_call_parser": tool_call_parser}
+            self.kwargs |= {"env": env, "tool_call_parser": tool_call_parser, "transparent": transparent}
 
     # server_kwargs reads the keywords a server class accepts from its signature.
     fake = inspect.signature(fake_server)
     extra = [
         inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None)
-        for k in ("env", "tool_call_parser")
+        for k in ("env", "tool_call_parser", "transparent")
     ]
     Revisable.__signature__ = fake.replace(parameters=[*fake.parameters.values(), *extra])  # type: ignore[attr-defined]
 
@@ -224,5 +249,7 @@ def test_before_and_after_in_one_run(repo: Path, tmp_path: Path, fake_server: An
 
     md = markdown(results)
     assert f"- tokencake@old: server code of commit {old}" in md
-    assert "--tool-call-parser hermes without --tool-parser-plugin" in md
+    assert "--tool-call-parser hermes without --tool-parser-plugin" in md and "no transparent mode" in md
+    started = {s.kwargs["log_file"].rsplit("-", 1)[1][: -len(".log")]: s.kwargs for s in Revisable.instances}
+    assert started["tokencake@old"]["transparent"] is False and started["tokencake"]["transparent"] is None
     assert f"| {key} |" in md and "E2E mean tokencake/tokencake@old (running code / revision old)" in md

@@ -43,6 +43,8 @@ PACKAGE = "tokencake"
 COMPLETE_MARKER = ".complete"
 #: A plug-in parser → the vLLM parser it extends (same output format), for trees without the plug-in.
 PLUGIN_BASE_PARSERS: dict[str, str] = {BUNDLED_PARSER: "hermes"}
+#: The API-server middleware of transparent mode (``Server(transparent=True)``, the default).
+TRANSPARENT_MODULE = "tokencake.serving.transparent_asgi"
 _PLUGIN_FLAG = "--tool-parser-plugin"
 _PARSER_FLAG = "--tool-call-parser"
 
@@ -113,6 +115,8 @@ class SourceTree:
     root: Path
     #: ``tool_call_parser`` for ``tokencake.serving.Server`` instead of the launcher's (None: the same).
     tool_call_parser: str | None = None
+    #: False when the tree has no transparent-mode middleware (its server starts without it).
+    transparent: bool = True
     #: What the server is started with unlike the same system of the running code, one line each.
     differences: tuple[str, ...] = ()
 
@@ -135,27 +139,37 @@ class SourceTree:
 def prepare_source(
     commit: str, dest: Path, server: ServerConfig, *, checkout: Path | None = None
 ) -> SourceTree:
-    """Export ``commit`` under ``dest`` and decide what its server needs beyond the launcher's flags."""
-    tree = SourceTree(commit, export_tree(commit, dest, checkout))
+    """Export ``commit`` under ``dest`` and decide what its server needs beyond the launcher's flags:
+    a vLLM parser in place of a tool-parser plug-in the tree lacks, and no transparent-mode
+    middleware where the tree has none (each recorded as a difference)."""
+    root = export_tree(commit, dest, checkout)
+    probe = SourceTree(commit, root)
+    parser, differences = None, []
     args = launcher_tool_args(server)
-    if _PLUGIN_FLAG not in args:
-        return tree
-    plugin = args[args.index(_PLUGIN_FLAG) + 1]
-    if tree.has_module(plugin):
-        return tree
-    parser = args[args.index(_PARSER_FLAG) + 1] if _PARSER_FLAG in args else None
-    base = PLUGIN_BASE_PARSERS.get(parser or "")
-    if base is None:
-        raise ValueError(
-            f"commit {commit[:12]} has no {plugin} (tool-parser plug-in of {parser!r}) and no parser "
-            "to serve in its place is known"
+    if _PLUGIN_FLAG in args:
+        plugin = args[args.index(_PLUGIN_FLAG) + 1]
+        if not probe.has_module(plugin):
+            wanted = args[args.index(_PARSER_FLAG) + 1] if _PARSER_FLAG in args else None
+            parser = PLUGIN_BASE_PARSERS.get(wanted or "")
+            if parser is None:
+                raise ValueError(
+                    f"commit {commit[:12]} has no {plugin} (tool-parser plug-in of {wanted!r}) and no "
+                    "parser to serve in its place is known"
+                )
+            differences.append(
+                f"{_PARSER_FLAG} {parser} without {_PLUGIN_FLAG}: commit {commit[:12]} has no {plugin}, "
+                f"which registers {wanted!r} ({parser} with forced tool calls held to the schema); the "
+                f"launcher gives the running code {_PLUGIN_FLAG} {plugin} {_PARSER_FLAG} {wanted}"
+            )
+    transparent = probe.has_module(TRANSPARENT_MODULE)
+    if not transparent:
+        differences.append(
+            f"no transparent mode: commit {commit[:12]} has no {TRANSPARENT_MODULE} (the bench's "
+            "clients send TokenCake metadata, which transparent mode passes through untouched)"
         )
-    note = (
-        f"{_PARSER_FLAG} {base} without {_PLUGIN_FLAG}: commit {commit[:12]} has no {plugin}, which "
-        f"registers {parser!r} ({base} with forced tool calls held to the schema); the launcher gives "
-        f"the running code {_PLUGIN_FLAG} {plugin} {_PARSER_FLAG} {parser}"
+    return SourceTree(
+        commit, root, tool_call_parser=parser, transparent=transparent, differences=tuple(differences)
     )
-    return SourceTree(commit, tree.root, tool_call_parser=base, differences=(note,))
 
 
 def launcher_tool_args(server: ServerConfig) -> list[str]:

@@ -400,6 +400,8 @@ def server_kwargs(
         kwargs["env"] = source.env()
         if source.tool_call_parser is not None:
             kwargs["tool_call_parser"] = source.tool_call_parser
+        if not source.transparent and not spec.stock:
+            kwargs["transparent"] = False
     extra = tuple(config.extra_args)
     if spec.stock and spec.priority:
         extra += ("--scheduling-policy", "priority")
