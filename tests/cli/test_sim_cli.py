@@ -94,7 +94,8 @@ def test_validate_passes_and_reports_the_held_out_runs_apart(
     assert doc["errors"]["held_out"]["worst"] <= doc["worst_error"]
     assert {r["fitted"] for r in doc["rows"].values()} == {True, False}
     assert doc["runs"]["ci"]["fitted"] and not doc["runs"]["stress"]["fitted"]
-    assert "git_commit" in doc
+    assert "git_commit" in doc and "vllm" in doc
+    assert doc["command"] == "tokencake sim --validate --json v.json"
 
 
 def test_validate_reads_the_runs_dir_and_refuses_one_without_the_runs_in_one_line(

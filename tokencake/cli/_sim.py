@@ -346,6 +346,13 @@ def _validate(console: Any, json_path: Path | None, runs_dir: Path | None) -> in
             # Which code made these numbers (a dirty tree's numbers are not that commit's).
             "git_commit": env.get("git_commit"),
             "git_dirty": env.get("git_dirty"),
+            "python": env.get("python"),
+            "vllm": env.get("vllm"),
+            "command": "tokencake sim --validate"
+            + (f" --runs-dir {runs_dir}" if runs_dir is not None else "")
+            + f" --json {json_path.name}",
+            # The core's orders do not depend on it; recorded so a rerun can match it anyway.
+            "pythonhashseed": os.environ.get("PYTHONHASHSEED"),
             "profiles": {name: get_profile(name).__dict__ for name in sorted({r.profile for r in rows})},
             "tolerance": TOLERANCE,
             "worst_error": worst,
