@@ -11,6 +11,7 @@ import pytest
 from tokencake.sim.stored import (
     FIXTURES,
     PACKAGED,
+    REPLAYED,
     StoredRunsMissing,
     compact,
     fixtures_in,
@@ -20,32 +21,52 @@ from tokencake.sim.stored import (
 from tokencake.sim.validate import validate
 
 BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
-#: The full results files this clone still has (the compact copies stand in for them elsewhere).
-FULL = [n for n, f in FIXTURES.items() if (BENCH / f.results_name).is_file()]
+NAMES = [*dict.fromkeys(f.results_name for f in FIXTURES.values()), *REPLAYED]
+#: The stored runs whose results file docs/bench keeps (trimmed: benchmarks/trim_results.py).
+IN_BENCH = [name for name in NAMES if (BENCH / name).is_file()]
 
 
 def test_the_stored_runs_are_read_from_package_data_by_default() -> None:
     assert all(f.path.name == f"{f.results_name}.gz" for f in FIXTURES.values())
-    assert all(f.path.is_file() for f in FIXTURES.values())
+    assert all((PACKAGED / f"{name}.gz").is_file() for name in NAMES)
     assert {f.path.parent.name for f in FIXTURES.values()} == {"fixtures"}
-    total = sum(len(f.path.read_bytes()) for f in FIXTURES.values())
+    total = sum(len((PACKAGED / f"{name}.gz").read_bytes()) for name in NAMES)
     assert total < 1_000_000, total
 
 
-@pytest.mark.skipif(not FULL, reason="no full results file of FIXTURES in docs/bench")
-def test_validation_from_the_compact_copies_gives_exactly_the_rows_of_the_full_files() -> None:
-    full = fixtures_in(BENCH)
-    for name in FULL:
-        assert validate({name: FIXTURES[name]}) == validate({name: full[name]}), name
+def _calls_emptied(doc: dict) -> dict:
+    for point in doc["points"]:
+        for system in point["systems"].values():
+            if "calls" in system:
+                system["calls"] = []
+    return doc
 
 
-@pytest.mark.skipif(not FULL, reason="no full results file of FIXTURES in docs/bench")
-def test_the_packaged_copies_are_the_compact_of_the_full_files(tmp_path: Path) -> None:
-    """``python -m tokencake.sim.stored docs/bench`` was run after the last change to a stored run."""
-    written = {p.name: p for p in write_compact(BENCH, tmp_path)}
-    for name in FULL:
-        fixture = FIXTURES[name]
-        assert written[fixture.path.name].read_bytes() == fixture.path.read_bytes(), name
+@pytest.mark.skipif(not IN_BENCH, reason="docs/bench keeps no results file of a stored run")
+def test_the_packaged_copies_agree_with_the_results_files_docs_bench_keeps() -> None:
+    """A packaged copy is the compact of its run's results file: exactly where the file is full,
+    and on all but the calls where it is trimmed (a trimmed file has none)."""
+    for name in IN_BENCH:
+        stored = read_results(BENCH / name)
+        packaged = read_results(PACKAGED / f"{name}.gz")
+        again = compact(stored, name)
+        if stored.get("trimmed"):
+            again, packaged = _calls_emptied(again), _calls_emptied(packaged)
+        assert again == packaged, name
+
+
+def test_write_compact_rewrites_from_full_files_and_keeps_the_copy_of_a_trimmed_or_absent_one(
+    tmp_path: Path,
+) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    runs.mkdir()
+    full = FIXTURES["ci"]
+    (runs / full.results_name).write_bytes(gzip.decompress(full.path.read_bytes()))
+    trimmed = json.loads(gzip.decompress(FIXTURES["stress"].path.read_bytes())) | {"trimmed": {"dropped": []}}
+    (runs / FIXTURES["stress"].results_name).write_text(json.dumps(trimmed))
+    assert [p.name for p in write_compact(runs, out)] == [full.path.name]
+    expected = compact(read_results(runs / full.results_name), full.results_name)
+    assert read_results(out / full.path.name) == expected
 
 
 def test_compact_keeps_what_the_trace_and_the_check_read_and_drops_the_rest() -> None:

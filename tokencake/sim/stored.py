@@ -8,9 +8,11 @@ tokens from, every call's node, start and token counts; the server's device / id
 counts; which systems ran the spatial scheduler; TokenCake's copy bytes and seconds; the paired
 ``…/ideal`` ratios — in the same layout, so a compact file is read exactly as the full one.
 The compact copies live in ``tokencake/sim/fixtures/<results name>.gz`` and are read with
-``importlib.resources``, so an installed package validates without a clone;
-:func:`fixtures_in` reads the full files from a directory instead (a clone's ``docs/bench``).
-``python -m tokencake.sim.stored DIR`` rewrites the compact copies from the full files in ``DIR``.
+``importlib.resources``, so an installed package validates without a clone. They stand in for the
+full files, which the repository keeps only in its history (``git log -- docs/bench/NAME``) or
+trimmed (``benchmarks/trim_results.py``: no calls); :func:`fixtures_in` reads full files from a
+directory instead. ``python -m tokencake.sim.stored DIR`` rewrites the compact copies from the full
+files in ``DIR``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 __all__ = [
     "FIXTURES",
+    "REPLAYED",
     "Fixture",
     "StoredRunsMissing",
     "calls_from",
@@ -96,6 +99,10 @@ FIXTURES: dict[str, Fixture] = {
     "seed2@pop": _packaged("unseen-real-2-pop-results.json", "cpu-fast"),
     "seed5@pop": _packaged("unseen-real-5-pop-results.json", "cpu-fast"),
 }
+
+
+#: Stored runs that other studies replay, not validation rows (``benchmarks/no_room_sim.py``).
+REPLAYED: tuple[str, ...] = ("stress-headclock-results.json", "stress-headclock-shared-results.json")
 
 
 def fixtures_in(runs_dir: Path | str) -> dict[str, Fixture]:
@@ -189,14 +196,20 @@ def compact(results: Mapping[str, Any], source: str = "") -> dict[str, Any]:
 
 
 def write_compact(runs_dir: Path, out_dir: Path) -> list[Path]:
-    """Rewrite the compact copy of every ``FIXTURES`` run from its full file in ``runs_dir``
-    (gzip with no timestamp, so the same input gives the same bytes)."""
+    """Rewrite the compact copy of every ``FIXTURES`` and ``REPLAYED`` run whose full results file
+    is in ``runs_dir`` (gzip with no timestamp, so the same input gives the same bytes). A run whose
+    file is absent or trimmed (it has no calls to rebuild a trace from) keeps its packaged copy."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for fixture in fixtures_in(runs_dir).values():
-        doc = compact(read_results(fixture.path), fixture.results_name)
-        text = json.dumps(doc, separators=(",", ":"), sort_keys=False).encode()
-        target = out_dir / f"{fixture.results_name}.gz"
+    for name in dict.fromkeys([*(f.results_name for f in FIXTURES.values()), *REPLAYED]):
+        path = Path(runs_dir) / name
+        if not path.is_file():
+            continue
+        results = read_results(path)
+        if results.get("trimmed"):
+            continue
+        text = json.dumps(compact(results, name), separators=(",", ":"), sort_keys=False).encode()
+        target = out_dir / f"{name}.gz"
         target.write_bytes(gzip.compress(text, compresslevel=9, mtime=0))
         written.append(target)
     return written
