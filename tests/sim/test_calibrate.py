@@ -80,6 +80,21 @@ def test_the_gpu_copy_constants_are_the_fit_to_the_measured_copies() -> None:
     assert 54e9 < H200.d2h_bytes_per_s < 56e9 and 0.85 < H200.duplex_share < 0.95
 
 
+def test_the_h200_copy_model_is_within_10_percent_of_every_measured_copy() -> None:
+    from tokencake.sim.calibrate import copy_errors
+
+    rows = copy_errors(H200)
+    assert {(r["direction"], r["blocks"]) for r in rows} == {
+        (d, n) for d in ("d2h", "h2d", "both") for n in (128, 1024, 2048)
+    }
+    assert all(abs(r["error"]) <= 0.10 for r in rows), rows
+    alone = [r for r in rows if r["direction"] != "both"]
+    assert all(abs(r["error"]) <= 0.02 for r in alone), alone
+    # Both directions at once take longer than either alone: the shared link, not two links.
+    both = {r["blocks"]: r for r in rows if r["direction"] == "both"}
+    assert all(both[r["blocks"]]["predicted_s"] > r["predicted_s"] for r in alone)
+
+
 def test_the_h100_is_the_h200_fit_scaled_by_hbm_bandwidth() -> None:
     scale = H200.hbm_bytes_per_s / H100.hbm_bytes_per_s
     assert H100.step_s == pytest.approx(H200.step_s * scale)
@@ -124,3 +139,4 @@ def test_the_report_states_each_case_and_which_were_fitted() -> None:
         step["decode B=256 C=16384"]["fitted"] and step["decode B=256 C=16384"]["leave_one_out"] is not None
     )
     assert doc["decode_share"] == pytest.approx(H200.decode_share)
+    assert set(doc["copy"]) >= {"d2h|128", "both|2048"} and doc["worst_copy_error"] <= 0.10

@@ -38,6 +38,7 @@ __all__ = [
     "STEP_CONSTANTS",
     "StepCase",
     "compact_measurements",
+    "copy_errors",
     "fit_copies",
     "fit_step",
     "fitted_cases",
@@ -208,6 +209,27 @@ def fit_copies(data: Mapping[str, Any] | None = None) -> dict[str, float]:
     return out
 
 
+def copy_errors(profile: HardwareProfile, data: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Per measured copy alone (direction and blocks; ``both``: that many blocks each way at once),
+    measured and modelled seconds and the error. The model runs a copy in ``copy_base_s`` plus its
+    bytes at its direction's rate, and ``both`` with each direction ``1 / duplex_share`` as long
+    (``tokencake.sim.copies``)."""
+    data = data or measurements()
+    block = data["block_bytes"]
+    alone: dict[tuple[str, int], float] = {}
+    for r in data["copies"]:
+        alone.setdefault((r["direction"], r["blocks"]), r["copy_gbps_alone"])
+    out = []
+    for (direction, n), gbps in alone.items():
+        ways = ("d2h", "h2d") if direction == "both" else (direction,)
+        slower = 1 / profile.duplex_share if direction == "both" else 1.0
+        modelled = max(profile.copy_base_s + n * block / getattr(profile, f"{w}_bytes_per_s") for w in ways)
+        measured = n * block * len(ways) / (gbps * 1e9)
+        row = {"direction": direction, "blocks": n, "measured_s": measured, "predicted_s": modelled * slower}
+        out.append(row | {"error": row["predicted_s"] / measured - 1.0})
+    return out
+
+
 def compact_measurements(runs_dir: Path) -> dict[str, Any]:
     """The compact measurements from the full files in ``runs_dir`` (a clone's ``docs/bench``)."""
     step = json.loads((runs_dir / STEP_FILE).read_text())
@@ -259,6 +281,8 @@ def report(profile: HardwareProfile) -> dict[str, Any]:
         "fit_step": fit_step(fitted_cases(cases)),
         "fit_copies": copies,
         "copy_gb_per_s": {d: copies[f"{d}_bytes_per_s"] / 1e9 for d in ("d2h", "h2d")},
+        "copy": {f"{r['direction']}|{r['blocks']}": r for r in copy_errors(profile, data)},
+        "worst_copy_error": max(abs(r["error"]) for r in copy_errors(profile, data)),
         "profile_constants": {k: getattr(profile, k) for k in (*STEP_CONSTANTS, *_COPY_CONSTANTS)},
         "decode_share": profile.decode_share,
     }
@@ -273,6 +297,9 @@ def _text(doc: Mapping[str, Any]) -> str:
             f"  {case:28s} measured {r['measured_s'] * 1e3:8.2f} ms"
             f"  model {r['predicted_s'] * 1e3:8.2f} ms  {r['error']:+.1%}{held}"
         )
+    for key, r in doc["copy"].items():
+        ms = f"measured {r['measured_s'] * 1e3:8.2f} ms  model {r['predicted_s'] * 1e3:8.2f} ms"
+        lines.append(f"  copy {key:12s} {ms}  {r['error']:+.1%}")
     lines.append(f"  fit_step: {doc['fit_step']}")
     lines.append(f"  fit_copies: {doc['fit_copies']}")
     return "\n".join(lines)
