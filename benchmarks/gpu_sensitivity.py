@@ -21,7 +21,8 @@ share). ``on/off`` < 1 means kept room pays.
     python benchmarks/gpu_sensitivity.py --agents 256 --grid axes --out docs/bench/sim-gpu-sensitivity.json
 
 ``--grid axes`` runs the calibrated cell and each assumption varied alone (5 cells); ``full`` all 12.
-Rows already in ``--out`` are kept and not rerun (the run can be resumed, or extended by a point).
+Rows already in ``--out`` are kept and not rerun (the run can be resumed, or extended by a point);
+they are stored by agents, then in the full grid's order.
 """
 
 from __future__ import annotations
@@ -94,6 +95,12 @@ def _key(row: dict[str, Any]) -> tuple[Any, ...]:
     return (row["agents"], c["decode_share"], c["overlap"], c["pcie"])
 
 
+def _order(row: dict[str, Any]) -> tuple[int, int]:
+    """Rows stored by agents, then in ``cells("full")`` order, whichever order they were run in."""
+    c = row["cell"]
+    return row["agents"], cells("full").index((c["decode_share"], c["overlap"], c["pcie"]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--agents", type=int, default=64)
@@ -138,6 +145,7 @@ def main() -> int:
         row["return-reserve-off/ideal"] = row["return-reserve-off"]["e2e_mean_s"] / ideal
         row["on/off"] = row["tokencake"]["e2e_mean_s"] / row["return-reserve-off"]["e2e_mean_s"]
         rows.append(row)
+        rows.sort(key=_order)
         doc = {
             "kind": "sim-gpu-sensitivity",
             "versions": versions(),

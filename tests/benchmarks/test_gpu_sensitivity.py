@@ -65,3 +65,10 @@ def test_rows_already_stored_are_kept_and_not_rerun(tmp_path: Path, monkeypatch:
     calls.clear()
     assert gpu_sensitivity.main() == 0
     assert calls == [] and len(json.loads(out.read_text())["rows"]) == 5
+    # Another grid and a smaller point later: rows stay sorted by agents, then in the full grid's order.
+    monkeypatch.setattr(sys, "argv", ["x", "--agents", "2", "--grid", "full", "--out", str(out)])
+    assert gpu_sensitivity.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    order = gpu_sensitivity.cells("full")
+    keys = [(r["agents"], order.index(tuple(r["cell"].values()))) for r in rows]
+    assert len(rows) == 17 and keys == sorted(keys) and keys[0] == (2, 0) and keys[12] == (4, 0)
