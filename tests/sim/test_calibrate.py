@@ -139,4 +139,4 @@ def test_the_report_states_each_case_and_which_were_fitted() -> None:
         step["decode B=256 C=16384"]["fitted"] and step["decode B=256 C=16384"]["leave_one_out"] is not None
     )
     assert doc["decode_share"] == pytest.approx(H200.decode_share)
-    assert set(doc["copy"]) >= {"d2h|128", "both|2048"} and doc["worst_copy_error"] <= 0.10
+    assert set(doc["copy"]) >= {"d2h/128", "both/2048"} and doc["worst_copy_error"] <= 0.10

@@ -281,7 +281,7 @@ def report(profile: HardwareProfile) -> dict[str, Any]:
         "fit_step": fit_step(fitted_cases(cases)),
         "fit_copies": copies,
         "copy_gb_per_s": {d: copies[f"{d}_bytes_per_s"] / 1e9 for d in ("d2h", "h2d")},
-        "copy": {f"{r['direction']}|{r['blocks']}": r for r in copy_errors(profile, data)},
+        "copy": {f"{r['direction']}/{r['blocks']}": r for r in copy_errors(profile, data)},
         "worst_copy_error": max(abs(r["error"]) for r in copy_errors(profile, data)),
         "profile_constants": {k: getattr(profile, k) for k in (*STEP_CONSTANTS, *_COPY_CONSTANTS)},
         "decode_share": profile.decode_share,
