@@ -101,6 +101,35 @@ def _order(row: dict[str, Any]) -> tuple[int, int]:
     return row["agents"], cells("full").index((c["decode_share"], c["overlap"], c["pcie"]))
 
 
+#: The ratios each row holds; the stored file gives each one's range over the cells per agents.
+RATIOS = ("tokencake/ideal", "return-reserve-off/ideal", "on/off")
+
+
+def _write(out: Path, rows: list[dict[str, Any]], ideals: dict[str, Any]) -> None:
+    """The stored file: the rows sorted (``_order``) and, per number of agents, each ratio's range
+    over the cells run (``ranges``)."""
+    rows.sort(key=_order)
+    ranges: dict[str, dict[str, Any]] = {}
+    for agents in sorted({r["agents"] for r in rows}):
+        mine = [r for r in rows if r["agents"] == agents]
+        ranges[str(agents)] = {
+            k: {"min": min(r[k] for r in mine), "max": max(r[k] for r in mine), "cells": len(mine)}
+            for k in RATIOS
+        }
+    doc = {
+        "kind": "sim-gpu-sensitivity",
+        "versions": versions(),
+        "profile": PROFILE,
+        "workload": WORKLOAD,
+        "systems": [*SYSTEMS, "ideal"],
+        "ideal": ideals,
+        "rows": rows,
+        "ranges": ranges,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--agents", type=int, default=64)
@@ -145,24 +174,14 @@ def main() -> int:
         row["return-reserve-off/ideal"] = row["return-reserve-off"]["e2e_mean_s"] / ideal
         row["on/off"] = row["tokencake"]["e2e_mean_s"] / row["return-reserve-off"]["e2e_mean_s"]
         rows.append(row)
-        rows.sort(key=_order)
-        doc = {
-            "kind": "sim-gpu-sensitivity",
-            "versions": versions(),
-            "profile": PROFILE,
-            "workload": WORKLOAD,
-            "systems": [*SYSTEMS, "ideal"],
-            "ideal": ideals,
-            "rows": rows,
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        _write(args.out, rows, ideals)
         print(
             f"{args.agents} agents {cell}: tokencake/ideal {row['tokencake/ideal']:.3f}, "
             f"off/ideal {row['return-reserve-off/ideal']:.3f}, on/off {row['on/off']:.3f} "
             f"({time.perf_counter() - started:.0f} s)",
             flush=True,
         )
+    _write(args.out, rows, ideals)
     return 0
 
 

@@ -72,3 +72,7 @@ def test_rows_already_stored_are_kept_and_not_rerun(tmp_path: Path, monkeypatch:
     order = gpu_sensitivity.cells("full")
     keys = [(r["agents"], order.index(tuple(r["cell"].values()))) for r in rows]
     assert len(rows) == 17 and keys == sorted(keys) and keys[0] == (2, 0) and keys[12] == (4, 0)
+    ranges = json.loads(out.read_text())["ranges"]
+    assert (
+        ranges["4"]["on/off"] == {"min": 1.0, "max": 1.0, "cells": 5} and ranges["2"]["on/off"]["cells"] == 12
+    )
