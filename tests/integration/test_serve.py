@@ -302,12 +302,17 @@ def _spatial_mixed_traffic(base_url: str, log: Path, baseline: Server) -> None:
         assert ask(baseline.base_url, i, meta=False) == replies[i], i
 
 
+#: Requests of the soak: ~2.6 times what the 40-block device KV holds at once (~6.5 blocks each), so
+#: most of them wait while the running batch holds every block. Each costs about 4 s on 2 cores.
+SOAK_REQUESTS = 16
+
+
 def _spatial_soak_at_full_kv(base_url: str) -> None:
-    """Issue 12's progress guarantee: 24 concurrent requests of ~5–6 blocks each (96 output
-    tokens) against 40 device blocks (the running batch holds every block, the rest wait), half
-    annotated with DAG positions, half plain OpenAI requests. Every request completes, within the
-    spatial score's starvation bound (capped at 4 minutes: one batch, no newcomers) plus a minute:
-    no deadlock, nobody overtaken forever."""
+    """Issue 12's progress guarantee: ``SOAK_REQUESTS`` concurrent requests of ~5–7 blocks each
+    (96 output tokens) against 40 device blocks (the running batch holds every block, the rest
+    wait), half annotated with DAG positions, half plain OpenAI requests. Every request completes,
+    within the spatial score's starvation bound (capped at 4 minutes: one batch, no newcomers) plus
+    a minute: no deadlock, nobody overtaken forever."""
     from tokencake.serving.spatial import SpatialScorer
 
     model = httpx.get(base_url + "/models", timeout=10).json()["data"][0]["id"]
@@ -323,13 +328,15 @@ def _spatial_soak_at_full_kv(base_url: str) -> None:
                         peak[0] = max(peak[0], float(line.rsplit(" ", 1)[1]))
             except httpx.HTTPError:
                 pass
-            done.wait(0.1)
+            done.wait(0.25)  # the batch holds its peak for seconds; scrapes cost the server CPU
 
     def ask(i: int) -> tuple[int, float, str]:
         # A unique first block per request: no prefix is shared, every request needs its own blocks.
+        # Prompts of 560 to 860 words, spread evenly.
+        words = 560 + 300 * i // (SOAK_REQUESTS - 1)
         body: dict[str, object] = {
             "model": model,
-            "messages": [{"role": "user", "content": f"Soak {i}, say ok. " + "word " * (560 + 13 * i)}],
+            "messages": [{"role": "user", "content": f"Soak {i}, say ok. " + "word " * words}],
             # Long enough answers that admitted requests pile up and hold their blocks (on 2 CPU cores
             # prefill is the bottleneck: short answers finish before the next prompt is in).
             "max_tokens": 96,
@@ -351,8 +358,8 @@ def _spatial_soak_at_full_kv(base_url: str) -> None:
     sampler = threading.Thread(target=sample_usage, daemon=True)
     sampler.start()
     try:
-        with ThreadPoolExecutor(24) as pool:
-            results = list(pool.map(ask, range(24)))
+        with ThreadPoolExecutor(SOAK_REQUESTS) as pool:
+            results = list(pool.map(ask, range(SOAK_REQUESTS)))
     finally:
         done.set()
         sampler.join(10)
@@ -391,7 +398,7 @@ def test_detach_then_stop(
     except BaseException:
         stop_process_group(int(state["pgid"]), int(state["pid"]), grace=10.0)
         raise
-    timing["spatial: soak at full KV, 24 mixed requests"] = time.monotonic() - started
+    timing[f"spatial: soak at full KV, {SOAK_REQUESTS} mixed requests"] = time.monotonic() - started
     watchdog = psutil.Process(int(state["pid"]))
     tree = [watchdog, *watchdog.children(recursive=True)]
     res = subprocess.run(
