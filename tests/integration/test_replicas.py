@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ import httpx
 import pytest
 
 import tokencake as tc
-from tokencake.serving.machine import find_free_port
+from tokencake.serving.machine import find_free_port, vllm_installed
 from tokencake.serving.model import tokencake_home
 from tokencake.serving.process_group import group_alive
 
@@ -39,60 +40,13 @@ WORDS = "amber basil cedar dune ember fjord grove heath inlet juniper kelp larch
 
 
 class Deployment:
-    """The ``tokencake serve --replicas 2`` process and its addresses.
+    """The ``tokencake serve --replicas 2`` process and its addresses."""
 
-    Built in the main thread (the environment is taken then: tests running meanwhile may patch it);
-    :meth:`launch` may run on conftest.py's launching thread, and picks the port. It runs at nice 10
-    (its replicas and router too): beside the unit tests it takes the CPU they leave.
-    """
-
-    def __init__(self, logs: Path) -> None:
-        self.env = {**os.environ, "TOKENCAKE_API_KEY": KEY}
-        self.home = tokencake_home()
-        logs.mkdir(parents=True, exist_ok=True)
-        self.log = logs / "serve.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._launched = threading.Event()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def launch(self) -> None:
-        with self._lock:
-            if self.proc is not None or self._closed:
-                return
-            self.port = port = find_free_port(with_events=True)
-            self.base_url = f"http://127.0.0.1:{port}/v1"
-            self.logs = self.home / "logs" / f"replicas-{port}"
-            self.status_url = f"http://127.0.0.1:{port + 1}/v1/stats"
-            cmd = ["nice", "-n", "10", sys.executable, "-m", "tokencake", "serve", "--replicas", "2"]
-            cmd += ["--port", str(port)]
-            cmd += ["--num-gpu-blocks", "40", "--max-model-len", "4096", "--", "--dtype", "float32"]
-            with self.log.open("wb") as log:
-                self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-            self._launched.set()
-
-    def wait(self) -> None:
-        """Until it serves: the supervisor's status port answers (the replicas and the router are up)."""
-        self._launched.wait()
-        assert self.proc is not None
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(self.status_url, headers=_auth(), timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(
-            f"tokencake serve --replicas did not start:\n{self.log.read_text()[-4000:]}", pytrace=False
-        )
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(120)
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self.logs = tokencake_home() / "logs" / f"replicas-{port}"
+        self.status_url = f"http://127.0.0.1:{port + 1}/v1/stats"
 
     def status(self) -> dict[str, Any]:
         return httpx.get(self.status_url, headers=_auth(), timeout=10).json()
@@ -106,16 +60,37 @@ def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {KEY}"}
 
 
-def start_ahead(logs: Path) -> Deployment:
-    """The deployment, not launched yet (conftest.py launches it when collection is done, after
-    the work started ahead before it; or the ``ahead`` fixture when this module's tests need it)."""
-    return Deployment(logs / "replicas")
-
-
 @pytest.fixture(scope="module")
-def deployment(ahead: Deployment) -> Deployment:
-    ahead.wait()
-    return ahead
+def deployment(server_logs: Path) -> Iterator[Deployment]:
+    if not vllm_installed():
+        pytest.fail('integration tests need the serve-cpu stack (`make venv`) — or -m "not integration"')
+    port = find_free_port(with_events=True)
+    logs = server_logs / "replicas"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TOKENCAKE_API_KEY": KEY}
+    cmd = [sys.executable, "-m", "tokencake", "serve", "--replicas", "2", "--port", str(port)]
+    cmd += ["--num-gpu-blocks", "40", "--max-model-len", "4096", "--", "--dtype", "float32"]
+    log = logs / "serve.log"
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    dep = Deployment(proc, port, log)
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(dep.status_url, headers=_auth(), timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail(
+                f"tokencake serve --replicas did not start:\n{log.read_text()[-4000:]}", pytrace=False
+            )
+        yield dep
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
 
 
 def _app(tool_s: float) -> tc.App:
