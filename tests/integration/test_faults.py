@@ -104,17 +104,16 @@ def other_traffic(server: Server, tag: str, n: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def boots(boot: Callable[..., Any], request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+def boots(boot: Callable[..., Any], selected_fixtures: frozenset[str]) -> Iterator[dict[str, Any]]:
     """The servers of this module that the selected tests use, started together (each start is
     mostly one core importing vLLM).
 
     Same settings as the session's servers (conftest.py), so their answers compare with the baseline.
     """
-    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     started = {}
-    if "fault_server" in used:  # copy faults in the worker; the last test kills it
+    if "fault_server" in selected_fixtures:  # copy faults in the worker; the last test kills it
         started["fault_server"] = boot("tokencake-faults", env={"TOKENCAKE_FAULTS": FAULTS})
-    if "timeout_server" in used:  # every offload and prefetch copy outlives ``job_timeout_s``
+    if "timeout_server" in selected_fixtures:  # every offload and prefetch copy outlives ``job_timeout_s``
         started["timeout_server"] = boot(
             "tokencake-timeouts",
             env={"TOKENCAKE_FAULTS": TIMEOUT_FAULTS},

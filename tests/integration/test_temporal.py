@@ -50,11 +50,12 @@ def servers(tokencake_server: Server, baseline_server: Server) -> tuple[Server, 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def tiny_pool_boot(boot: Callable[..., Any], request: pytest.FixtureRequest) -> Iterator[Any]:
+def tiny_pool_boot(boot: Callable[..., Any], selected_fixtures: frozenset[str]) -> Iterator[Any]:
     """An extension server whose host pool (2 blocks) cannot hold A's ~8 blocks, started with this
     module's first test when a selected test uses it: it boots while the tests before that one run."""
-    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
-    started = boot("tokencake-tiny-pool", host_pool_blocks=2) if "tiny_pool_server" in used else None
+    started = (
+        boot("tokencake-tiny-pool", host_pool_blocks=2) if "tiny_pool_server" in selected_fixtures else None
+    )
     try:
         yield started
     finally:
