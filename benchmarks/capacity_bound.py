@@ -3,7 +3,7 @@
 The CPU stress runs up to ``stress-lag`` recomputed nothing and loaded a round's host KV in ~0.1 s,
 yet stayed 1.10-1.15 x the never-evicting ideal. The question this answers: is the rest the KV
 policy's (its copies, their timing) or the device's (how many sessions fit at once)? Each stored
-real run of the faster host (``tokencake.sim.validate.FIXTURES``, profile ``cpu-fast``; the runs
+real run of the faster host (``tokencake.sim.stored.FIXTURES``, profile ``cpu-fast``; the runs
 that saved into first-touch host pages at their own copy rates) is replayed on the simulator with
 the run's own device and host blocks, and with **every copy free** (infinite
 bandwidth, no per-job cost): then a session's KV is back on device the moment room exists, so what
@@ -33,8 +33,9 @@ from tokencake.bench.environment import versions
 from tokencake.sim.presets import from_bench_point
 from tokencake.sim.profiles import HardwareProfile, get_profile
 from tokencake.sim.run import SYSTEMS, simulate
+from tokencake.sim.stored import FIXTURES, calls_from, read_results
 from tokencake.sim.trace import Trace
-from tokencake.sim.validate import FIXTURES, grid_errors, served_profile
+from tokencake.sim.validate import grid_errors, served_profile
 
 PROFILE = "cpu-fast"
 TARGET = 1.10
@@ -107,11 +108,9 @@ def main() -> None:
     runs = [n for n, f in FIXTURES.items() if f.profile == PROFILE]
     per_run: dict[str, Any] = {}
     for name in runs:
-        results = json.loads(FIXTURES[name].path.read_text())
+        results = read_results(FIXTURES[name].path)
         point = results["points"][0]
-        trace = from_bench_point(
-            point, "baseline" if "baseline" in point["systems"] else next(iter(point["systems"]))
-        )
+        trace = from_bench_point(point, calls_from(point))
         server = results["config"]["server"]
         base = get_profile(PROFILE)
         rows = [
@@ -121,7 +120,7 @@ def main() -> None:
         keys = rows[0]["ratios"].keys()
         needed = [r["blocks_for_target"] for r in rows]
         per_run[name] = {
-            "run": FIXTURES[name].path.name,
+            "run": FIXTURES[name].results_name,
             "fitted": FIXTURES[name].fitted,
             "device_blocks": rows[0]["device_blocks"],
             "ideal_blocks": rows[0]["ideal_blocks"],

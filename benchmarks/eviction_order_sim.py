@@ -4,7 +4,7 @@ TokenCake demotes an offloaded stall's device chain to the front of vLLM's free 
 first), non-critical sessions ahead of critical-path ones. This replays ``tokencake`` twice per mix
 — as shipped (``base``), and with critical-path chains *not* demoted, left at their LRU place
 (``critlru``) — on the mixes of ``benchmarks/spatial_sim.py`` (two seeds each) and, with
-``--big``, the 1,024-agent H200 mix of ``docs/simulation.md`` §6.1. It reports mean app E2E,
+``--big``, a 1,024-agent stress mix on the H200 model (8,000-token contexts). It reports mean app E2E,
 critical-path queue wait and critical inversions (all, late, unsaved) per variant.
 
     python benchmarks/eviction_order_sim.py --out sim-eviction-order.json          # ~5 min

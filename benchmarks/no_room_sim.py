@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 from functools import partial
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,13 @@ from tokencake.serving.kvcore.ports import RequestView
 from tokencake.sim.presets import from_bench_point
 from tokencake.sim.profiles import get_profile
 from tokencake.sim.run import simulate
+from tokencake.sim.stored import PACKAGED, REPLAYED, read_results
 
-RUNS: tuple[str, ...] = (
-    "docs/bench/stress-headclock-results.json",
-    "docs/bench/stress-headclock-shared-results.json",
-)
+#: The stored runs replayed: their compact copies (``tokencake.sim.stored``; ``--runs`` takes full
+#: results files or compact copies).
+RUNS: tuple[Traversable, ...] = tuple(PACKAGED / f"{name}.gz" for name in REPLAYED)
 CAUSES: tuple[str, ...] = ("chain_exceeds_free", "running_floor", "queue_demand")
-#: The runs above ran on the faster host (``tokencake.sim.validate.FIXTURES``).
+#: The runs above ran on the faster host (``tokencake.sim.stored.FIXTURES``).
 PROFILE = "cpu-fast"
 
 
@@ -125,9 +126,9 @@ def summarize(entries: list[dict[str, Any]], device_blocks: int) -> dict[str, An
     }
 
 
-def replay(path: Path) -> list[dict[str, Any]]:
+def replay(path: Traversable) -> list[dict[str, Any]]:
     """One row per point of the stored run (its first round's trace, as ``tokencake sim --validate``)."""
-    results = json.loads(path.read_text())
+    results = read_results(path)
     server = results["config"]["server"]
     profile = get_profile(PROFILE)
     rows, seen = [], set()
@@ -145,13 +146,14 @@ def replay(path: Path) -> list[dict[str, Any]]:
             host_blocks=server.get("host_pool_blocks") or profile.host_blocks,
             core_factory=partial(ArrivalLogCore, log=log),
         )
-        rows.append({"run": path.name, "point": label, **summarize(log, server["device_blocks"])})
+        run = path.name.removesuffix(".gz")
+        rows.append({"run": run, "point": label, **summarize(log, server["device_blocks"])})
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", nargs="*", type=Path, default=[Path(p) for p in RUNS])
+    ap.add_argument("--runs", nargs="*", type=Path, default=list(RUNS))
     ap.add_argument("--out", type=Path, default=Path("sim-no-room.json"))
     args = ap.parse_args()
     rows = [row for path in args.runs for row in replay(path)]

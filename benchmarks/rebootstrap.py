@@ -7,8 +7,7 @@ ratios from its own per-app E2E (``points``) with the current
 :func:`tokencake.bench.rounds.paired_intervals` and writes them beside the stored ones; the
 stored files are left as measured.
 
-    python benchmarks/rebootstrap.py docs/bench/stress-spatial-now-results.json ... \\
-        --out docs/bench/paired-by-app.json
+    python benchmarks/rebootstrap.py docs/bench/NAME-results.json ... --out paired-by-app.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ by default only where copies run on side streams beside the forward (``auto``). 
 sides of that choice, with nothing tuned here:
 
 * **CPU** (where ``auto`` keeps it off): every stored real run at the current serving code that
-  the simulator replays (``tokencake.sim.validate.FIXTURES`` ``*@pop``), on the profile of the host
+  the simulator replays (``tokencake.sim.stored.FIXTURES`` ``*@pop``), on the profile of the host
   it ran on, as served — TokenCake (kept room off) against ``return-reserve`` (forced on).
 * **GPU** (where ``auto`` turns it on): the H200 model's stress workload of ``docs/simulation.md``
   §6 at 64 agents (about the device KV) over three draws and at 256 agents (4–5 × it) over one —
@@ -34,7 +34,8 @@ from tokencake.bench.environment import versions
 from tokencake.sim.presets import from_bench_point, generate
 from tokencake.sim.profiles import get_profile
 from tokencake.sim.run import SYSTEMS, SimResult, simulate
-from tokencake.sim.validate import FIXTURES, SERVED_WITH, served_profile
+from tokencake.sim.stored import FIXTURES, read_results
+from tokencake.sim.validate import SERVED_WITH, served_profile
 
 #: The stored real runs at the current serving code (the ``*@pop`` fixtures).
 CPU_FIXTURES: tuple[str, ...] = tuple(name for name in FIXTURES if name.endswith("@pop"))
@@ -65,7 +66,7 @@ def cpu_rows() -> list[dict[str, Any]]:
     rows = []
     for name in CPU_FIXTURES:
         fixture = FIXTURES[name]
-        results = json.loads(fixture.path.read_text())
+        results = read_results(fixture.path)
         prof = served_profile(fixture, results, get_profile(fixture.profile))
         server = results["config"]["server"]
         hosts = server.get("host_pool_blocks") or prof.host_blocks

@@ -30,6 +30,8 @@ VLLM_FREE = (
     "tokencake.serving.transparent_reply",
     "tokencake.sim",
     "tokencake.sim.validate",
+    "tokencake.sim.stored",
+    "tokencake.sim.calibrate",
     "tokencake.sim.presets",
     "tokencake.cli._sim",
 )

@@ -71,3 +71,13 @@ def test_the_probe_logs_the_device_at_a_next_turns_arrival_and_how_ready_it_was(
     assert entry["chain"] == 3 and entry["running"] == 0 and entry["queued"] == 0
     assert entry["room"] is True and entry["missing"] == 0
     assert entry["eligible"] is True and entry["ready"] == "prefetched"
+
+
+def test_the_stored_runs_replay_from_their_packaged_compact_copies():
+    assert [p.name for p in no_room_sim.RUNS] == [
+        "stress-headclock-results.json.gz",
+        "stress-headclock-shared-results.json.gz",
+    ]
+    (row,) = no_room_sim.replay(no_room_sim.RUNS[0])
+    assert (row["run"], row["point"], row["device_blocks"]) == ("stress-headclock-results.json", "hetero", 40)
+    assert row["eligible"] > 0 and sum(row["no_room_causes"].values()) == row["no_room"]

@@ -9,13 +9,13 @@ _spec = importlib.util.spec_from_file_location("rebootstrap", _PATH)
 rebootstrap = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rebootstrap)
 
-_STORED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "stress-spatial-now-results.json"
+_STORED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "stress-pop2-results.json"
 
 
 def test_a_stored_run_keeps_its_ratio_and_gets_an_interval_by_app():
-    results = json.loads(_STORED.read_text())
+    results = json.loads(_STORED.read_text())  # trimmed: the apps' E2E are kept
     out = rebootstrap.rebootstrap(results)
-    for point in ("hetero", "shared"):
+    for point in ("hetero",):
         both = out[point]["tokencake/spatial-off"]
         assert both["stored"] == results["aggregate"][point]["paired"]["tokencake/spatial-off"]
         assert both["by_app"]["ratio"] == both["stored"]["ratio"]

@@ -82,22 +82,35 @@ def test_bad_input_is_one_clear_line(
     assert needle in err and err.count("\n") == 1
 
 
-def test_validate_passes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sim", "--validate"]) == 0
-    assert "OK" in capsys.readouterr().out
+def test_validate_passes_and_reports_the_held_out_runs_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "v.json"
+    assert main(["sim", "--validate", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "OK" in text and "held-out runs (the test): worst" in text and "fitted runs (not a test)" in text
+    doc = json.loads(out.read_text())
+    assert set(doc["errors"]) == {"held_out", "fitted"}
+    assert doc["errors"]["held_out"]["worst"] <= doc["worst_error"]
+    assert {r["fitted"] for r in doc["rows"].values()} == {True, False}
+    assert doc["runs"]["ci"]["fitted"] and not doc["runs"]["stress"]["fitted"]
+    assert "git_commit" in doc and "vllm" in doc
+    assert doc["command"] == "tokencake sim --validate --json v.json"
 
 
 def test_validate_reads_the_runs_dir_and_refuses_one_without_the_runs_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tokencake.sim.validate import FIXTURES
+    import gzip
+
+    from tokencake.sim.stored import FIXTURES
 
     assert main(["sim", "--validate", "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tokencake: error: stored run ") and err.count("\n") == 1
     assert str(tmp_path) in err
-    for fixture in FIXTURES.values():
-        (tmp_path / fixture.path.name).symlink_to(fixture.path)
+    for fixture in FIXTURES.values():  # a compact copy is a results file with only what is read
+        (tmp_path / fixture.results_name).write_bytes(gzip.decompress(fixture.path.read_bytes()))
     assert main(["sim", "--validate", "--runs-dir", str(tmp_path)]) == 0
     assert "OK" in capsys.readouterr().out
 

@@ -19,23 +19,27 @@ def job(job_id: int, kind: str, blocks: int, timeout_s: float | None = None) -> 
 
 
 def test_on_a_gpu_saves_and_prefetches_run_on_a_lane_each_beside_the_step() -> None:
-    """As the connector's copy lanes (measured on an H200: D2H and H2D run at once): a prefetch
-    issued while a save is copying starts at once, saves queue behind saves, and neither adds to
-    the step; a demand load does."""
+    """As the connector's copy lanes (measured on an H200: D2H and H2D run at once, sharing the
+    link): a prefetch issued while a save is copying starts at once at the duplex share of its rate,
+    saves queue behind saves, and neither adds to the step; a demand load does."""
     copies = CopyEngine(GPU)
+    assert 0.85 < GPU.duplex_share < 1.0
     in_step = copies.submit([job(1, "offload", 32), job(2, "prefetch", 8), job(3, "offload", 4)], now=10.0)
     assert in_step == 0.0
+    assert copies.side_busy(10.0)
     done = {c.job.job_id: c.done_at for c in copies._copies}
-    assert done[2] == pytest.approx(10.0 + GPU.copy_s("h2d", 8))
+    assert done[2] == pytest.approx(10.0 + GPU.copy_s("h2d", 8) / GPU.duplex_share)
     assert done[1] == pytest.approx(10.0 + GPU.copy_s("d2h", 32))
+    assert done[2] < done[1]  # the next save starts alone on the link: its full rate
     assert done[3] == pytest.approx(done[1] + GPU.copy_s("d2h", 4))
     assert copies.submit([job(4, "load", 3)], now=10.0) == pytest.approx(GPU.copy_s("h2d", 3))
     assert copies.next_done_at() == -float("inf")  # the load: done with its step
-    first = copies.report(10.0 + GPU.copy_s("h2d", 8))
+    first = copies.report(done[2])
     assert first is not None and list(first.results) == [4, 2]  # the load, then the prefetch
     assert copies.next_done_at() == pytest.approx(done[1])
     rest = copies.report(done[3])
     assert rest is not None and list(rest.results) == [1, 3] and not copies.busy
+    assert not copies.side_busy(done[3])
     assert copies.report(done[3] + 1.0) is None  # each job is reported once
 
 

@@ -291,6 +291,21 @@ def test_an_idle_engine_steps_when_a_side_stream_copy_finishes() -> None:
     assert engine.next_wake() is None
 
 
+def test_a_step_beside_a_side_stream_copy_lasts_the_measured_slowdown_longer() -> None:
+    """On an H200 a forward slowed by up to ~2.4 % while a copy ran beside it (gpu-overlap-*.json)."""
+    gpu = get_profile("h200-llama3-8b")
+    assert 0.0 < gpu.copy_compute_slowdown < 0.05
+    times = []
+    for copying in (False, True):
+        engine = Engine(gpu, device_blocks=64)
+        if copying:
+            engine.copies._lane_free_at["d2h"] = 5.0  # a save in flight until t = 5 s
+        engine.submit(Request(0, agent("a"), prompt_tokens=100, output_tokens=1, arrival=0.0))
+        engine.step()
+        times.append(engine.now)
+    assert times[1] == pytest.approx(times[0] * (1 + gpu.copy_compute_slowdown))
+
+
 def test_a_held_chain_yields_to_a_running_request_and_the_pass_admits_none() -> None:
     """vLLM's ``has_pending_block_frees``: a running request finds no free block, the held chain
     is released instead of a preemption, the request allocates next step, and the waiting

@@ -10,9 +10,8 @@ import pytest
 from tokencake.agents import RunResult
 from tokencake.agents._result import NodeResult, RunEvent
 from tokencake.sim.presets import from_bench_point, generate
+from tokencake.sim.stored import FIXTURES, read_results
 from tokencake.sim.trace import AppTrace, DelayStep, LLMStep, NodeTrace, ToolStep, Trace, TraceError
-
-BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
 
 
 def small() -> Trace:
@@ -77,7 +76,7 @@ def test_a_real_run_becomes_a_trace() -> None:
 
 
 def test_a_stored_bench_point_is_rebuilt_with_its_measured_tokens() -> None:
-    results = json.loads((BENCH / "policies-stress-results.json").read_text())
+    results = read_results(FIXTURES["stress"].path)  # policies-stress-results.json, compact
     point = results["points"][0]
     trace = from_bench_point(point)
     (app,) = trace.apps

@@ -1,22 +1,12 @@
-"""The model against the stored real runs: within ±15 % and the same ranking (issue 11), on both hosts."""
+"""The model against the stored real runs: within ±15 % and the same ranking (issue 11), on both hosts;
+the held-out runs reported apart from the runs each profile was fitted on."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
-from tokencake.sim.validate import (
-    FIXTURES,
-    TOLERANCE,
-    StoredRunsMissing,
-    fixtures_in,
-    ranking_violations,
-    validate,
-)
-
-BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
+from tokencake.sim.stored import FIXTURES
+from tokencake.sim.validate import TOLERANCE, Row, describe, errors, per_run, ranking_violations, validate
 
 
 def test_predicted_mean_e2e_is_within_tolerance_of_the_real_runs_and_ranks_the_same() -> None:
@@ -31,6 +21,31 @@ def test_predicted_mean_e2e_is_within_tolerance_of_the_real_runs_and_ranks_the_s
     worst = max(rows, key=lambda r: abs(r.error))
     assert abs(worst.error) <= TOLERANCE, worst
     assert ranking_violations(rows) == []
+    # Each row says whether its profile was fitted on its run; the held-out rows are the test.
+    assert {(r.preset, r.fitted) for r in rows} == {(n, f.fitted) for n, f in FIXTURES.items()}
+    summary = errors(rows)
+    held = [r for r in rows if not r.fitted]
+    assert summary["held_out"]["rows"] == len(held) and summary["fitted"]["rows"] == len(rows) - len(held)
+    assert summary["held_out"]["worst"] == max(abs(r.error) for r in held) <= TOLERANCE
+
+
+def test_held_out_and_fitted_errors_are_reported_apart() -> None:
+    rows = [
+        Row("a", "p", "baseline", 10.0, 11.0, fitted=True),
+        Row("b", "p", "baseline", 10.0, 8.0),
+        Row("b", "p", "tokencake", 10.0, 10.5),
+    ]
+    summary = errors(rows)
+    assert summary["fitted"] == pytest.approx({"rows": 1, "runs": 1, "worst": 0.1, "mean_abs": 0.1})
+    assert summary["held_out"] == pytest.approx({"rows": 2, "runs": 1, "worst": 0.2, "mean_abs": 0.125})
+    text = describe(summary).splitlines()
+    assert text[0].startswith("held-out runs (the test): worst 20.0%") and text[1].startswith("fitted runs")
+    assert "held_out" not in errors(rows[:1])
+    runs = per_run(rows)
+    assert runs["a"] == pytest.approx(
+        {"profile": "cpu-measured", "fitted": True, "rows": 1, "worst": 0.1, "mean_abs": 0.1}
+    )
+    assert runs["b"]["fitted"] is False and runs["b"]["worst"] == pytest.approx(0.2)
 
 
 def test_a_run_on_one_host_is_not_predicted_by_the_other_hosts_profile() -> None:
@@ -82,26 +97,3 @@ def test_a_run_with_slow_copies_is_replayed_at_its_own_rates() -> None:
     }
     assert own["tokencake"] > profile_rates["tokencake"]
     assert own["baseline"] == profile_rates["baseline"]
-
-
-def test_the_stored_runs_are_read_from_the_clones_docs_bench_by_default() -> None:
-    assert {f.path.parent for f in FIXTURES.values()} == {BENCH}
-    assert all(f.path.is_file() for f in FIXTURES.values())
-
-
-def test_fixtures_in_reads_the_same_runs_from_another_directory(tmp_path: Path) -> None:
-    shutil.copy(FIXTURES["ci"].path, tmp_path)
-    moved = fixtures_in(tmp_path)
-    assert set(moved) == set(FIXTURES)
-    assert moved["ci"].path == tmp_path / "ci-results.json"
-    assert (moved["ci"].profile, moved["ci"].fitted) == (FIXTURES["ci"].profile, FIXTURES["ci"].fitted)
-    assert validate({"ci": moved["ci"]}) == validate({"ci": FIXTURES["ci"]})
-
-
-def test_a_missing_stored_run_is_a_one_line_error_that_says_where_to_look(tmp_path: Path) -> None:
-    with pytest.raises(StoredRunsMissing) as raised:
-        validate(fixtures_in(tmp_path / "absent"))
-    message = str(raised.value)
-    assert isinstance(raised.value, FileNotFoundError)
-    assert "\n" not in message and str(tmp_path / "absent") in message
-    assert "docs/bench" in message and "--runs-dir" in message

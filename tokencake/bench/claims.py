@@ -2,7 +2,7 @@
 
 A quoted number is written between two markers that say where it comes from::
 
-    <!--bench ci-results.json aggregate|ci|rounds|tokencake/ideal ci3-->0.946 [0.883, 1.010]<!--/bench-->
+    <!--bench ci-pop-results.json aggregate|ci|rounds|tokencake/ideal ci3-->0.946 [0.883, 1.010]<!--/bench-->
 
 ``FILE`` is relative to ``docs/bench/``; ``PATH`` walks the JSON with ``|`` (keys may contain ``/``);
 ``FORMAT`` is a Python format spec (``.3f``, ``.0%``, ``,.0f``) or ``ci<d>``: a

@@ -81,8 +81,8 @@ def register(subparsers: Any) -> None:
         "--runs-dir",
         type=Path,
         metavar="DIR",
-        help="--validate reads the stored runs from DIR (a clone's docs/bench; default: the docs/bench "
-        "of the clone this package runs from, which an installed package does not ship)",
+        help="--validate reads the full stored results files from DIR (a clone's docs/bench; default: "
+        "the compact copies shipped with the package)",
     )
     p.set_defaults(func=run)
 
@@ -315,10 +315,12 @@ def _plots(doc: dict[str, Any], out: Path) -> list[Path]:
 
 def _validate(console: Any, json_path: Path | None, runs_dir: Path | None) -> int:
     from tokencake.sim.profiles import get_profile
+    from tokencake.sim.stored import StoredRunsMissing, fixtures_in
     from tokencake.sim.validate import (
         TOLERANCE,
-        StoredRunsMissing,
-        fixtures_in,
+        describe,
+        errors,
+        per_run,
         ranking_violations,
         table,
         validate,
@@ -334,17 +336,35 @@ def _validate(console: Any, json_path: Path | None, runs_dir: Path | None) -> in
     for line in bad:
         console.print(f"[red]ranking: {line}[/red]")
     ok = worst <= TOLERANCE and not bad
+    summary = errors(rows)
     if json_path is not None:
+        from tokencake.bench.environment import versions
+
+        env = versions()
         doc = {
             "kind": "tokencake-sim-validate",
+            # Which code made these numbers (a dirty tree's numbers are not that commit's).
+            "git_commit": env.get("git_commit"),
+            "git_dirty": env.get("git_dirty"),
+            "python": env.get("python"),
+            "vllm": env.get("vllm"),
+            "command": "tokencake sim --validate"
+            + (f" --runs-dir {runs_dir}" if runs_dir is not None else "")
+            + f" --json {json_path.name}",
+            # The core's orders do not depend on it; recorded so a rerun can match it anyway.
+            "pythonhashseed": os.environ.get("PYTHONHASHSEED"),
             "profiles": {name: get_profile(name).__dict__ for name in sorted({r.profile for r in rows})},
             "tolerance": TOLERANCE,
             "worst_error": worst,
+            # The held-out rows test the model; the fitted ones only show how well the fit took.
+            "errors": summary,
+            "runs": per_run(rows),
             "ranking_violations": bad,
             "rows": {f"{r.preset}/{r.system}": r.__dict__ | {"error": r.error} for r in rows},
         }
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=1))
+    console.print(describe(summary))
     console.print(
         f"worst error {worst:.1%} (tolerance {TOLERANCE:.0%}); ranking "
         + ("same as measured (ties excepted)" if not bad else "DIFFERS")

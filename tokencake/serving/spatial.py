@@ -58,7 +58,7 @@ node has, so the order is, in turn,
   to yield, and it needs the fewest new ones) or else its last chain saved on host (``saved_s``: it
   resumes with a load instead of a prefill, and its pinned host copies go back to the pool sooner;
   without it, on a host pool smaller than the working set such requests waited while new saves
-  found the pool full, ``docs/simulation.md`` §6.3–§6.4) and per preemption (``per_preemption_s``,
+  found the pool full in the simulator) and per preemption (``per_preemption_s``,
   at most 5); and 0.5 s of slack per node of DAG depth still behind the request (at most 20),
   so of two apps that started together the one with fewer nodes left goes first — shortest
   remaining first, what a mean over apps rewards. With the depth left as a credit instead
@@ -158,7 +158,7 @@ class SpatialWeights:
     #: copies stay pinned while it waits, so admitting it first gives those host slots back to other
     #: sessions' saves. The credit is fixed when the request is queued. Without it, on a host pool
     #: smaller than the working set the order by slack alone let such requests wait while new saves
-    #: found the pool full (simulator, ``docs/simulation.md`` §6.3–§6.4). A tie-breaker: below the
+    #: found the pool full (in the simulator). A tie-breaker: below the
     #: age gap of apps that started a second or more apart.
     saved_s: float = 1.0
 

@@ -319,7 +319,10 @@ class Engine:
             jobs = core.build_jobs()
         dt = self.copies.submit(jobs, now)
         if plan.scheduled or self.has_work():
-            dt += self._step_time(plan.scheduled)
+            compute = self._step_time(plan.scheduled)
+            if self.copies.side_busy(now):
+                compute *= 1 + self.profile.copy_compute_slowdown  # a copy beside it shares HBM
+            dt += compute
             self.steps += 1
             self.busy_s += dt
         self.now = now + dt
@@ -369,10 +372,4 @@ class Engine:
             else:
                 prefill += n
                 ctx += n * (req.num_computed + n // 2)
-        return (
-            p.step_s
-            + p.prefill_s_per_token * prefill
-            + p.attn_s_per_token_ctx * ctx
-            + p.decode_s_per_seq * decode
-            + p.decode_s_per_ctx_token * decode_ctx
-        )
+        return p.step_time(prefill, ctx, decode, decode_ctx)

@@ -2,19 +2,24 @@
 
 A step's time is ``step_s + prefill_s_per_token × new tokens + attn_s_per_token_ctx × Σ(new tokens
 × their context) + decode_s_per_seq × decoding sequences + decode_s_per_ctx_token × their
-context``. Copies run at ``*_bytes_per_s`` plus ``copy_base_s`` per job; on the CPU backend they
-take the same cores as the forward (``copies_async=False``: a step that copies lasts longer), on a
-GPU saves and prefetches each run on a side stream of their own (``copies_async=True``; measured
-beside compute by ``scripts/gpu_overlap.py``) and only a *demand* load delays its step.
+context`` (``HardwareProfile.step_time``). Copies run at ``*_bytes_per_s`` plus ``copy_base_s`` per
+job; on the CPU backend they take the same cores as the forward (``copies_async=False``: a step that
+copies lasts longer), on a GPU saves and prefetches each run on a side stream of their own
+(``copies_async=True``) and only a *demand* load delays its step; a side-stream copy that starts
+while the other direction's is running gets ``duplex_share`` of its rate, and a step that runs
+while one is in flight lasts ``copy_compute_slowdown`` longer.
 
-``cpu-measured`` was fitted on this project's 2-core machine (vLLM-CPU, SmolLM2-135M, float32,
-128-token blocks): ``step_s``, ``prefill_s_per_token`` and ``attn_s_per_token_ctx`` by a grid
-search against the stored real runs of the ``ci`` and ``headroom`` presets
-(``tokencake.sim.validate.fit``); ``stress`` is held out. Copy bandwidths are the measured ones
-(``docs/simulation.md`` has the fit and the validation). The 2-core hosts differ between sessions:
-``cpu-fast`` is the same fit (plus ``decode_s_per_seq``) on the runs of the faster hosts drawn from
-2026-12-04 on; each stored run is validated against the profile of the host it ran on.
-The GPU profiles are built from published figures, cited in ``docs/simulation.md``.
+``cpu-measured`` and ``cpu-fast`` are the project's two kinds of 2-core host (vLLM-CPU,
+SmolLM2-135M, float32, 128-token blocks): ``step_s``, ``prefill_s_per_token``,
+``attn_s_per_token_ctx`` (and on ``cpu-fast`` ``decode_s_per_seq``) are a grid search against each
+host's stored ``ci`` and ``headroom`` runs (``tokencake.sim.validate.fit``); its other runs are held
+out. Copy bandwidths are the ones the runs measured.
+
+``h200-llama3-8b``'s step constants are fitted to the step times measured on an H200
+(``tokencake.sim.calibrate.fit_step``: an eager torch forward of a Llama-3-8B-shaped model), its
+copy constants to the pinned copies measured there (``calibrate.fit_copies``).
+``h100-llama3-8b`` has no measurement: the H200's fit with the memory-bound terms scaled by the
+two datasheets' HBM bandwidths. ``docs/simulation.md`` has the calibration and its residuals.
 """
 
 from __future__ import annotations
@@ -50,10 +55,38 @@ class HardwareProfile:
     copies_async: bool
     #: Where the numbers come from (also in docs/simulation.md).
     sources: str = ""
+    #: Peak HBM bandwidth (GPU profiles; 0: not a GPU), the reference of ``decode_share``.
+    hbm_bytes_per_s: float = 0.0
+    #: A side-stream copy that starts while the other direction's is running gets this share of its
+    #: rate (the two directions share the link); 1: no contention.
+    duplex_share: float = 1.0
+    #: A step that runs while a side-stream copy is in flight lasts this fraction longer.
+    copy_compute_slowdown: float = 0.0
 
     @property
     def block_bytes(self) -> int:
         return self.block_size * self.kv_bytes_per_token
+
+    def step_time(
+        self, prefill_tokens: int = 0, prefill_pairs: int = 0, decodes: int = 0, decode_ctx: int = 0
+    ) -> float:
+        """Seconds of one forward step: ``prefill_tokens`` new prompt tokens with ``prefill_pairs``
+        (token, context token) pairs, and ``decodes`` sequences decoding one token each after
+        ``decode_ctx`` context tokens in all."""
+        return (
+            self.step_s
+            + self.prefill_s_per_token * prefill_tokens
+            + self.attn_s_per_token_ctx * prefill_pairs
+            + self.decode_s_per_seq * decodes
+            + self.decode_s_per_ctx_token * decode_ctx
+        )
+
+    @property
+    def decode_share(self) -> float | None:
+        """The share of peak HBM bandwidth at which decode reads KV (None: not a GPU profile)."""
+        if not self.hbm_bytes_per_s or not self.decode_s_per_ctx_token:
+            return None
+        return self.kv_bytes_per_token / (self.decode_s_per_ctx_token * self.hbm_bytes_per_s)
 
     def copy_s(self, direction: str, blocks: int) -> float:
         if blocks <= 0:
@@ -71,18 +104,45 @@ class HardwareProfile:
 
 # Llama-3-8B: 32 layers, 8 KV heads of 128, bf16 -> 2 (K, V) x 32 x 8 x 128 x 2 bytes per token.
 _LLAMA3_8B_KV = 2 * 32 * 8 * 128 * 2
-# 2 x 8.03e9 FLOPs per prefill token; attention 4 x layers x d_model FLOPs per token per context token.
-_LLAMA3_8B_FLOPS = 2 * 8.03e9
-_LLAMA3_8B_ATTN_FLOPS = 4 * 32 * 4096
-# H100 / H200 SXM: 989 TFLOPS dense bf16; 50 % model FLOPs utilisation in prefill.
-_H100_EFFECTIVE_FLOPS = 0.5 * 989e12
-_WEIGHTS_BYTES = 16.06e9
+_H200_HBM_BYTES_PER_S = 4.8e12
+#: The H200's step constants, fitted to its measured steps (``tokencake.sim.calibrate.fit_step``;
+#: 3 significant digits). Decode reads KV at ~52 % of peak HBM bandwidth (``decode_share``).
+_H200_STEP: dict[str, float] = {
+    "step_s": 3.47e-3,
+    "prefill_s_per_token": 2.12e-5,
+    "attn_s_per_token_ctx": 1.67e-9,
+    "decode_s_per_seq": 2.69e-5,
+    "decode_s_per_ctx_token": 5.30e-8,
+}
+#: The H200's copy constants, fitted to its measured pinned copies (``calibrate.fit_copies``).
+_H200_COPIES: dict[str, float] = {
+    "d2h_bytes_per_s": 55.4e9,
+    "h2d_bytes_per_s": 55.3e9,
+    "copy_base_s": 1.94e-4,
+    "duplex_share": 0.909,
+    "copy_compute_slowdown": 0.0239,
+}
+#: Step terms bound by HBM bandwidth (the pass over the weights, decode's KV read); the others are
+#: bound by compute, the same dense bf16 FLOPS on an H100 and an H200.
+_MEMORY_BOUND = ("step_s", "decode_s_per_ctx_token")
 
 
 def _gpu(
-    name: str, description: str, *, hbm_bytes_per_s: float, kv_gib: float, pcie: float, sources: str
+    name: str,
+    description: str,
+    *,
+    hbm_bytes_per_s: float,
+    kv_gib: float,
+    pcie: float | None,
+    sources: str,
 ) -> HardwareProfile:
-    bw = 0.8 * hbm_bytes_per_s  # achievable share of peak HBM bandwidth in decode
+    """A Llama-3-8B server on a GPU: the H200's fitted constants, the memory-bound terms scaled by
+    this GPU's HBM bandwidth; copies as measured on the H200 unless ``pcie`` sets both rates."""
+    scale = _H200_HBM_BYTES_PER_S / hbm_bytes_per_s
+    step = {k: v * scale if k in _MEMORY_BOUND else v for k, v in _H200_STEP.items()}
+    copies = dict(_H200_COPIES)
+    if pcie is not None:
+        copies.update(d2h_bytes_per_s=pcie, h2d_bytes_per_s=pcie)
     return HardwareProfile(
         name=name,
         description=description,
@@ -92,16 +152,11 @@ def _gpu(
         host_blocks=int(512 * 2**30 / (16 * _LLAMA3_8B_KV)),
         max_batched_tokens=8192,
         max_num_seqs=256,
-        step_s=_WEIGHTS_BYTES / bw + 0.002,  # one pass over the weights + launch/scheduler overhead
-        prefill_s_per_token=_LLAMA3_8B_FLOPS / _H100_EFFECTIVE_FLOPS,
-        attn_s_per_token_ctx=_LLAMA3_8B_ATTN_FLOPS / _H100_EFFECTIVE_FLOPS,
-        decode_s_per_seq=0.00002,
-        decode_s_per_ctx_token=_LLAMA3_8B_KV / bw,
-        d2h_bytes_per_s=pcie,
-        h2d_bytes_per_s=pcie,
-        copy_base_s=0.00002,
         copies_async=True,
         sources=sources,
+        hbm_bytes_per_s=hbm_bytes_per_s,
+        **step,
+        **copies,
     )
 
 
@@ -129,13 +184,13 @@ _CPU_MEASURED = HardwareProfile(
 
 PROFILES: dict[str, HardwareProfile] = {
     "cpu-measured": _CPU_MEASURED,
-    # The same setup on the hosts this project's later sessions drew (from 2026-12-04): about 2.5 x
-    # fewer seconds per computed token. Copies as the runs with the host pool populated at start
-    # measured them (offloads 8.8-10 GB/s, loads 8.3-8.4 GB/s; the runs before 78a2d58 saved into
-    # first-touch pages at ~0.13 GB/s and are replayed at their own rates: docs/reliability.md).
+    # The same setup on the faster kind of host: about 2.5 x fewer seconds per computed token.
+    # Copies as its runs with the host pool populated at start measured them (offloads 8.8-10 GB/s,
+    # loads 8.3-8.4 GB/s); its runs that saved into first-touch pages (~0.13 GB/s) are replayed at
+    # their own rates (stored.Fixture.copies_as_measured, docs/reliability.md).
     "cpu-fast": _CPU_MEASURED.with_(
         name="cpu-fast",
-        description="as cpu-measured, on the faster 2-core hosts of the runs from 2026-12-04 on",
+        description="as cpu-measured, on the faster kind of 2-core host",
         host_blocks=336,
         d2h_bytes_per_s=9.0e9,
         h2d_bytes_per_s=8.0e9,
@@ -152,16 +207,18 @@ PROFILES: dict[str, HardwareProfile] = {
         hbm_bytes_per_s=3.35e12,
         kv_gib=60,
         pcie=50e9,
-        sources="NVIDIA H100 datasheet (989 TFLOPS bf16 dense, 3.35 TB/s); Llama 3 8B config",
+        sources="not measured: the H200 fit with its memory-bound terms scaled to the NVIDIA H100 "
+        "datasheet's 3.35 TB/s (989 TFLOPS bf16 dense, as the H200); PCIe 5 assumed at 50 GB/s",
     ),
     "h200-llama3-8b": _gpu(
         "h200-llama3-8b",
         "H200 SXM 141 GB, Llama-3-8B bf16, ~110 GiB KV, 16-token blocks, 55 GB/s pinned copies, 512 GiB host",
-        hbm_bytes_per_s=4.8e12,
+        hbm_bytes_per_s=_H200_HBM_BYTES_PER_S,
         kv_gib=110,
-        pcie=55e9,
-        sources="NVIDIA H200 datasheet (4.8 TB/s, 141 GB); pinned copies ~55 GB/s each way measured "
-        "by scripts/gpu_check.sh; Llama 3 8B config",
+        pcie=None,
+        sources="step and copy constants fitted to H200 measurements (tokencake.sim.calibrate: "
+        "docs/bench/gpu-step.json, gpu-overlap-{128,1024,2048}.json); NVIDIA H200 datasheet "
+        "(4.8 TB/s, 141 GB); Llama 3 8B config",
     ),
 }
 
@@ -180,6 +237,8 @@ TUNABLE = (
     "d2h_bytes_per_s",
     "h2d_bytes_per_s",
     "copy_base_s",
+    "duplex_share",
+    "copy_compute_slowdown",
 )
 
 
@@ -203,6 +262,8 @@ def override(profile: HardwareProfile, assignments: list[str]) -> HardwareProfil
             raise ValueError(f"bad profile override {item!r}: {raw.strip()!r} is not a number") from None
         if not math.isfinite(value) or value < 0 or (value == 0 and name.endswith("bytes_per_s")):
             raise ValueError(f"bad profile override {item!r}: must be a finite number > 0")
+        if name == "duplex_share" and not 0 < value <= 1:
+            raise ValueError(f"bad profile override {item!r}: a share, > 0 and <= 1")
         changes[name] = value
     suffix = ",".join(f"{k}={v:g}" for k, v in changes.items())
     return profile.with_(

@@ -1,15 +1,16 @@
-"""Predicted vs measured: the stored real bench runs replayed with the ``cpu-measured`` profile.
+"""Predicted vs measured: the stored real bench runs replayed on the profile of the host they ran on.
 
-Each stored ``results.json`` (``docs/bench/``) is a set of real runs: per point, every system ran
-the same seeded apps, in interleaved rounds. Its trace is rebuilt (``presets.from_bench_point``),
+Each stored run (``tokencake.sim.stored.FIXTURES``) is a set of real runs: per point, every system
+ran the same seeded apps, in interleaved rounds. Its trace is rebuilt (``presets.from_bench_point``),
 each system is simulated with the run's own device and host KV sizes, and the prediction is
 compared with the measured mean app E2E over the rounds: the error must stay within ``TOLERANCE``
 and the systems must rank the same (ties — measured means within ``TIE`` of each other — may come
 out either way). ``tests/sim/test_validate.py`` keeps the check.
 
-The 2-core hosts this project runs on differ between sessions (the later ones compute a token about
-2.5 x faster), so each stored run names the profile of the host it ran on, and each profile is
-fitted on its own ``ci`` + ``headroom`` runs with the rest held out.
+The stored runs come from two kinds of 2-core host (one computes a token about 2.5 × faster), so
+each run names the profile of its host, and each CPU profile is fitted (``fit``) on its own
+``ci`` + ``headroom`` runs (``stored.Fixture.fitted``). Only the other, held-out runs test the model:
+``errors`` reports them apart from the fitted ones.
 """
 
 from __future__ import annotations
@@ -24,53 +25,29 @@ from typing import Any
 from tokencake.sim.presets import from_bench_point
 from tokencake.sim.profiles import HardwareProfile, get_profile
 from tokencake.sim.run import SYSTEMS, simulate
+from tokencake.sim.stored import FIXTURES, Fixture, calls_from, read_results
 
 __all__ = [
     "FIT_GRID",
-    "FIXTURES",
     "TIE",
     "TOLERANCE",
-    "Fixture",
     "Row",
-    "StoredRunsMissing",
+    "describe",
+    "errors",
     "fit",
-    "fixtures_in",
     "grid_errors",
     "measured_copy_rates",
+    "per_run",
     "served_profile",
     "validate",
 ]
 
-#: How the stored runs were served where the knobs have changed since: they re-asked every
-#: retryable gate "no" at 20 Hz (before ``reevaluate_max_s`` backed it off while nothing waits).
+#: How the stored runs were served where the knobs differ from today's defaults: they re-asked
+#: every retryable gate "no" at 20 Hz (``reevaluate_max_s`` backs it off while nothing waits).
 SERVED_WITH: dict[str, Any] = {"reevaluate_max_s": 0.05}
 TOLERANCE = 0.15
 #: Measured means closer than this (relative) are a tie: their predicted order is not checked.
 TIE = 0.10
-#: Where the stored runs are read from unless ``fixtures_in`` names another directory: ``docs/bench``
-#: of the clone this package is imported from. They are not package data (about 12 MB, several times
-#: the rest of the wheel), so an installed package reads a clone's directory, named explicitly.
-_DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench"
-
-
-class StoredRunsMissing(FileNotFoundError):
-    """Stored runs are not where they are read from; the message is one line that says where to look."""
-
-
-@dataclass(frozen=True)
-class Fixture:
-    """A stored real run, the profile of the host it ran on, and whether that profile was fitted on it.
-
-    ``copies_as_measured``: replay the run with the copy rates it measured (its extension's bytes ÷
-    seconds) instead of the profile's — for runs whose copies were slower than the host's for a
-    reason since fixed (offloads into first-touch host pages before the pool was populated at
-    start, ``docs/reliability.md``), so they still check the model of everything else.
-    """
-
-    path: Path
-    profile: str = "cpu-measured"
-    fitted: bool = False
-    copies_as_measured: bool = False
 
 
 def measured_copy_rates(results: Mapping[str, Any]) -> dict[str, float]:
@@ -91,71 +68,33 @@ def served_profile(fixture: Fixture, results: Mapping[str, Any], prof: HardwareP
     return prof.with_(**measured_copy_rates(results)) if fixture.copies_as_measured else prof
 
 
-#: The stored real runs the check uses (name → run).
-FIXTURES: dict[str, Fixture] = {
-    "ci": Fixture(_DOCS / "ci-results.json", fitted=True),
-    "headroom": Fixture(_DOCS / "headroom-hold-results.json", fitted=True),
-    "stress": Fixture(_DOCS / "policies-stress-results.json"),
-    "stress-hold": Fixture(_DOCS / "stress-hold-results.json"),
-    # The faster hosts (from 2026-12-04), before the host pool was populated at start (5865fc5):
-    # offloads ran at ~0.13 GB/s into first-touch pages, so they are replayed at their own rates.
-    "ci@fast": Fixture(_DOCS / "ci-lag-results.json", "cpu-fast", fitted=True, copies_as_measured=True),
-    "headroom@fast": Fixture(
-        _DOCS / "headroom-lag-results.json", "cpu-fast", fitted=True, copies_as_measured=True
-    ),
-    "stress@fast": Fixture(_DOCS / "stress-lag-results.json", "cpu-fast", copies_as_measured=True),
-    "seed4@fast": Fixture(_DOCS / "unseen-real-4-lag-results.json", "cpu-fast", copies_as_measured=True),
-    "seed6@fast": Fixture(_DOCS / "unseen-real-6-lag-results.json", "cpu-fast", copies_as_measured=True),
-    # The same hosts at the current serving code (host pool populated at start).
-    "ci@pop": Fixture(_DOCS / "ci-pop-results.json", "cpu-fast", fitted=True),
-    "headroom@pop": Fixture(_DOCS / "headroom-pop-results.json", "cpu-fast", fitted=True),
-    "stress@pop": Fixture(_DOCS / "stress-pop-results.json", "cpu-fast"),
-    "stress2@pop": Fixture(_DOCS / "stress-pop2-results.json", "cpu-fast"),
-    "shared@pop": Fixture(_DOCS / "stress-shared-pop-results.json", "cpu-fast"),
-    "seed4@pop": Fixture(_DOCS / "unseen-real-4-pop-results.json", "cpu-fast"),
-    "seed6@pop": Fixture(_DOCS / "unseen-real-6-pop-results.json", "cpu-fast"),
-    "seed7@pop": Fixture(_DOCS / "unseen-real-7-pop-results.json", "cpu-fast"),
-    "seed1@pop": Fixture(_DOCS / "unseen-real-1-pop-results.json", "cpu-fast"),
-    "seed2@pop": Fixture(_DOCS / "unseen-real-2-pop-results.json", "cpu-fast"),
-    "seed5@pop": Fixture(_DOCS / "unseen-real-5-pop-results.json", "cpu-fast"),
-}
-
-
-def fixtures_in(runs_dir: Path | str) -> dict[str, Fixture]:
-    """``FIXTURES`` read from ``runs_dir`` (a clone's ``docs/bench``) instead of the default directory."""
-    return {name: replace(f, path=Path(runs_dir) / f.path.name) for name, f in FIXTURES.items()}
-
-
-def _read(path: Path) -> Any:
-    """A stored run's JSON; ``StoredRunsMissing`` with a one-line message when the file is absent."""
-    if not path.is_file():
-        raise StoredRunsMissing(
-            f"stored run {path.name} not found in {path.parent}: the stored runs are a clone's docs/bench, "
-            "not package data; run from a clone or pass its docs/bench "
-            "(tokencake sim --validate --runs-dir DIR, or validate(fixtures_in(DIR)))"
-        )
-    return json.loads(path.read_text())
-
-
 @dataclass(frozen=True)
 class Row:
+    """One system of one stored point: measured and predicted mean app E2E. ``fitted``: the row's
+    profile was fitted on its run, so its error is not a test of the model."""
+
     preset: str
     point: str
     system: str
     measured_s: float
     predicted_s: float
     profile: str = "cpu-measured"
+    fitted: bool = False
 
     @property
     def error(self) -> float:
         return self.predicted_s / self.measured_s - 1.0
 
 
+def _label(point: Mapping[str, Any]) -> str:
+    return str(point.get("base_label", point["label"])).split("#")[0]
+
+
 def _measured(results: Mapping[str, Any], label: str, system: str) -> float | None:
     values = [
         statistics.fmean(a["e2e_s"] for a in p["systems"][system]["apps"] if a.get("e2e_s") is not None)
         for p in results["points"]
-        if p.get("base_label", p["label"]).split("#")[0] == label and system in p["systems"]
+        if _label(p) == label and system in p["systems"]
     ]
     return statistics.fmean(values) if values else None
 
@@ -164,24 +103,22 @@ def validate(
     fixtures: Mapping[str, Fixture | Path] | None = None, profile: HardwareProfile | None = None
 ) -> list[Row]:
     """Predicted and measured mean app E2E for every system of every stored run, each on its own
-    host's profile unless ``profile`` is given (a bare path is a ``cpu-measured`` run). Raises
-    ``StoredRunsMissing`` when a run's file is absent."""
+    host's profile unless ``profile`` is given (a bare path is a held-out ``cpu-measured`` run).
+    Raises ``StoredRunsMissing`` when a run's file is absent."""
     rows = []
     for preset, fixture in (fixtures or FIXTURES).items():
         if not isinstance(fixture, Fixture):
             fixture = Fixture(Path(fixture))
-        results = _read(fixture.path)
+        results = read_results(fixture.path)
         prof = served_profile(fixture, results, profile or get_profile(fixture.profile))
         server = results["config"]["server"]
         done: set[str] = set()
         for point in results["points"]:
-            label = point.get("base_label", point["label"]).split("#")[0]
+            label = _label(point)
             if label in done:
                 continue
             done.add(label)
-            trace = from_bench_point(
-                point, "baseline" if "baseline" in point["systems"] else next(iter(point["systems"]))
-            )
+            trace = from_bench_point(point, calls_from(point))
             for name in point["systems"]:
                 if name not in SYSTEMS:
                     continue
@@ -192,14 +129,30 @@ def validate(
                 blocks = server["ideal_blocks"] if SYSTEMS[name].kv == "ideal" else server["device_blocks"]
                 spec = SYSTEMS[name]
                 if spec.policy is not None:
-                    # Simulated as it was served: the spatial scheduler only where the run loaded it
-                    # (before it became the default, the stored `tokencake` ran without it).
+                    # Simulated as it was served: the spatial scheduler only where the run loaded it.
                     ran = next((c for c in results["config"].get("systems", ()) if c.get("name") == name), {})
                     scheduling = "spatial" if ran.get("scheduler") else "priority"
                     spec = replace(spec, options={**spec.options, **SERVED_WITH}, scheduling=scheduling)
                 sim = simulate(trace, prof, spec, device_blocks=blocks, host_blocks=hosts)
-                rows.append(Row(preset, label, name, measured, sim.e2e_mean_s, prof.name))
+                rows.append(Row(preset, label, name, measured, sim.e2e_mean_s, prof.name, fixture.fitted))
     return rows
+
+
+def errors(rows: Iterable[Row]) -> dict[str, dict[str, float | int]]:
+    """Worst and mean absolute error of the ``held_out`` rows (the test of the model) and, apart,
+    of the ``fitted`` ones (how well the fit took); a side with no rows is left out."""
+    out: dict[str, dict[str, float | int]] = {}
+    rows = list(rows)
+    for side, fitted in (("held_out", False), ("fitted", True)):
+        errs = [abs(r.error) for r in rows if r.fitted == fitted]
+        if errs:
+            out[side] = {
+                "rows": len(errs),
+                "runs": len({r.preset for r in rows if r.fitted == fitted}),
+                "worst": max(errs),
+                "mean_abs": statistics.fmean(errs),
+            }
+    return out
 
 
 def ranking_violations(rows: Iterable[Row]) -> list[str]:
@@ -222,15 +175,43 @@ def ranking_violations(rows: Iterable[Row]) -> list[str]:
 
 def table(rows: Iterable[Row]) -> str:
     lines = [
-        "| preset | point | system | measured E2E (s) | predicted (s) | error |",
-        "|---|---|---|---|---|---|",
+        "| preset | point | system | run | measured E2E (s) | predicted (s) | error |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.preset} | {r.point} | {r.system} | {r.measured_s:.1f} | {r.predicted_s:.1f} "
-            f"| {r.error:+.0%} |"
+            f"| {r.preset} | {r.point} | {r.system} | {'fitted' if r.fitted else 'held out'} "
+            f"| {r.measured_s:.1f} | {r.predicted_s:.1f} | {r.error:+.0%} |"
         )
     return "\n".join(lines)
+
+
+def per_run(rows: Iterable[Row]) -> dict[str, dict[str, Any]]:
+    """Per stored run: its profile, whether the profile was fitted on it, and its rows' worst and
+    mean absolute error."""
+    runs: dict[str, list[Row]] = {}
+    for r in rows:
+        runs.setdefault(r.preset, []).append(r)
+    return {
+        preset: {
+            "profile": group[0].profile,
+            "fitted": group[0].fitted,
+            "rows": len(group),
+            "worst": max(abs(r.error) for r in group),
+            "mean_abs": statistics.fmean(abs(r.error) for r in group),
+        }
+        for preset, group in runs.items()
+    }
+
+
+def describe(summary: Mapping[str, Mapping[str, float | int]]) -> str:
+    """``errors``' result in one line per side, the held-out runs first."""
+    names = {"held_out": "held-out runs (the test)", "fitted": "fitted runs (not a test)"}
+    return "\n".join(
+        f"{names[side]}: worst {s['worst']:.1%}, mean |error| {s['mean_abs']:.1%} "
+        f"over {s['rows']} rows of {s['runs']} runs"
+        for side, s in summary.items()
+    )
 
 
 def dump(rows: Iterable[Row]) -> str:
@@ -285,4 +266,5 @@ if __name__ == "__main__":  # python -m tokencake.sim.validate [--fit]
             print(f"{name}: best on its ci + headroom runs: worst error {err:.1%} at {params}")
     rows = validate()
     print(table(rows))
+    print(describe(errors(rows)))
     print("\n".join(ranking_violations(rows)) or "ranking: same order as measured (ties excepted)")
