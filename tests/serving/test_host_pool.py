@@ -73,6 +73,29 @@ def test_lru_reclaim_of_released_slots() -> None:
     assert pool.stats()["reclaimed"] == 2
 
 
+def test_a_released_chain_loses_its_tail_first() -> None:
+    pool = HostPool(4)
+    chain = [bytes([i]) * 32 for i in range(4)]
+    for slot, h in zip(pool.allocate(4, "stall:a"), chain, strict=True):  # pinned head first
+        pool.commit(h, slot)
+    pool.release("stall:a")
+    assert pool.allocate(1, "stall:b") == [3]
+    assert pool.match_prefix(chain) == [0, 1, 2]
+
+
+def test_a_release_follows_the_pin_order_not_the_slot_numbers() -> None:
+    pool = HostPool(6)
+    for slot in pool.allocate(6, "y"):
+        pool.commit(bytes([slot]) * 32, slot)
+    pool.release("y")
+    for slot in (3, 0, 4):
+        pool.pin(slot, "x")
+    pool.unpin(0, "x")
+    pool.pin(0, "x")
+    pool.release("x")  # pinned 3, 4, 0: released 0, 4, 3
+    assert pool.allocate(6, "z") == [5, 2, 1, 0, 4, 3]  # y released tail (5) first
+
+
 def test_free_slots_before_reclaim() -> None:
     pool = HostPool(3)
     a = fill(pool, "s1", [h(1)])

@@ -38,6 +38,8 @@ class HostPoolMachine(RuleBasedStateMachine):
         self.index: dict[bytes, int] = {}
         self.free_order = list(range(CAPACITY))
         self.lru: list[int] = []
+        #: owner -> its slots in the order it pinned them (``release`` frees them in reverse).
+        self.pinned: dict[str, list[int]] = {o: [] for o in OWNERS}
 
     # ---- model helpers
     def _reclaimable(self) -> set[int]:
@@ -54,10 +56,14 @@ class HostPoolMachine(RuleBasedStateMachine):
         self._drop_hash(slot)
         if slot in self.lru:
             self.lru.remove(slot)
+        for owner in self.owners[slot]:
+            self.pinned[owner].remove(slot)
         self.state[slot], self.owners[slot] = "free", set()
         self.free_order.append(slot)
 
     def _add_owner(self, slot: int, owner: str) -> None:
+        if owner not in self.owners[slot]:
+            self.pinned[owner].append(slot)
         self.owners[slot].add(owner)
         if slot in self.lru:
             self.lru.remove(slot)
@@ -66,6 +72,7 @@ class HostPoolMachine(RuleBasedStateMachine):
         if owner not in self.owners[slot]:
             return
         self.owners[slot].discard(owner)
+        self.pinned[owner].remove(slot)
         if not self.owners[slot] and self.state[slot] == "ready":
             self.lru.append(slot)  # the most recently used end
 
@@ -89,7 +96,8 @@ class HostPoolMachine(RuleBasedStateMachine):
         self.free_order, self.lru = self.free_order[k:], self.lru[n - k :]
         for s in slots:
             self._drop_hash(s)
-            self.state[s], self.owners[s] = "filling", {owner}
+            self.state[s] = "filling"
+            self._add_owner(s, owner)
         for s in set(range(CAPACITY)) - set(slots):  # nothing else changed
             assert (self.state[s], self.hash[s], self.owners[s]) == before[s]
 
@@ -135,9 +143,9 @@ class HostPoolMachine(RuleBasedStateMachine):
 
     @rule(owner=st.sampled_from(OWNERS))
     def release(self, owner: str) -> None:
-        held = [s for s in range(CAPACITY) if owner in self.owners[s]]
+        held = list(reversed(self.pinned[owner]))  # the reverse of the pin order
         assert self.pool.release(owner) == len(held)
-        for s in held:  # ascending: the order a small int set iterates in
+        for s in held:
             self._remove_owner(s, owner)
 
     def _invalidate(self, slot: int) -> None:

@@ -98,7 +98,8 @@ class HostPool:
         #: slot -> its owners, only for slots that have any (most slots never do at once).
         self._owners: dict[int, set[str]] = {}
         self._index: dict[bytes, int] = {}
-        self._owned: dict[str, set[int]] = {}
+        #: owner -> its slots in the order it pinned them (a chain is pinned head first).
+        self._owned: dict[str, dict[int, None]] = {}
         # Ready slots without owners, oldest first: the reclaim order.
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._counts = dict.fromkeys(
@@ -319,11 +320,13 @@ class HostPool:
     def release(self, owner: str) -> int:
         """Unpin every slot ``owner`` holds (stall ended, expired or failed); returns how many.
 
-        Released ready slots stay cached and become LRU-reclaimable; filling slots stay filling
-        (their copy decides: :meth:`commit` or :meth:`invalidate`).
+        Released ready slots stay cached and become LRU-reclaimable in the reverse of the order
+        the owner pinned them: a chain is pinned head first, so its tail is reclaimed first and
+        its prefix stays matchable longest (a tier loses a chain's tail before its head). Filling
+        slots stay filling (their copy decides: :meth:`commit` or :meth:`invalidate`).
         """
         with self._lock:
-            slots = list(self._owned.get(owner, ()))
+            slots = list(reversed(self._owned.get(owner, {})))
             for slot in slots:
                 self._remove_owner(slot, owner)
             return len(slots)
@@ -373,7 +376,7 @@ class HostPool:
 
     def _add_owner(self, slot: int, owner: str) -> None:
         self._owners.setdefault(slot, set()).add(owner)
-        self._owned.setdefault(owner, set()).add(slot)
+        self._owned.setdefault(owner, {})[slot] = None
         self._lru.pop(slot, None)
 
     def _remove_owner(self, slot: int, owner: str) -> None:
@@ -385,7 +388,7 @@ class HostPool:
             del self._owners[slot]
         held = self._owned.get(owner)
         if held is not None:
-            held.discard(slot)
+            held.pop(slot, None)
             if not held:
                 del self._owned[owner]
         if not owners and self._state[slot] == "ready":

@@ -14,7 +14,6 @@ from tokencake.serving.admission import ADMIT, CRITICAL_RESERVE, KEPT_ROOM, Room
 from tokencake.serving.kvcore.ports import RequestView
 from tokencake.serving.kvcore.records import Keep, ReqInfo, Stall
 from tokencake.serving.prefetch import kept_room
-from tokencake.serving.spatial import reserved_sessions
 
 if TYPE_CHECKING:
     from tokencake.serving.kvcore.core import KVCore
@@ -46,9 +45,8 @@ class AdmissionControl:
             return frozenset()
         if waited_s >= self.core.opts.critical_reserve_wait_s:
             return frozenset()
-        cap = int(self.core.opts.critical_reserve_frac * self.core.pool.num_blocks)
-        return reserved_sessions(
-            ((k.session_id, k.rank, k.releasable) for k in self.core.holds.kept.values() if k.critical), cap
+        return self.core.holds.counts.reserved(
+            int(self.core.opts.critical_reserve_frac * self.core.pool.num_blocks)
         )
 
     def reserve_blocks(self) -> int:
@@ -202,19 +200,17 @@ class AdmissionControl:
     ) -> tuple[str, int]:
         """:func:`room_for` on the device now: the holds this admission may take (not its own
         session's, the reserve's or returning sessions'), then those of returning sessions,
-        then the reserve's (each counted with those before it: shared blocks free only together)."""
+        then the reserve's (each counted with those before it: shared blocks free only together;
+        :class:`~tokencake.serving.kvcore.holds.HoldCounts`)."""
         assert self.core.pool is not None
         free = self.core.pool.num_free()
         kept = sum(self.returning[sid] for sid in returning)
         if free >= need + kept:
             return ADMIT, 0
-        others = [k for k in self.core.holds.kept.values() if k.session_id != own]
-        takes = [k for k in others if k.session_id not in protect and k.session_id not in returning]
-        back = [k for k in others if k.session_id in returning and k.session_id not in protect]
-        lent = [k for k in others if k.session_id in protect]
-        holds = self.core.holds.releasable(takes)
-        with_back = self.core.holds.releasable(takes + back) if back else holds
-        with_lent = self.core.holds.releasable(takes + back + lent) if lent else with_back
+        counts = self.core.holds.counts
+        holds = counts.without(protect | returning, own)
+        with_back = counts.without(protect, own)
+        with_lent = counts.without(frozenset(), own)
         room = Room(free, need, kept, holds, with_back - holds, with_lent - with_back)
         return room_for(room)
 
@@ -251,6 +247,16 @@ class AdmissionControl:
         room made for it. A request that holds KV already (a finished asynchronous load) is left
         to vLLM.
         """
+        waits = False
+        try:
+            waits = not self._admits(request, num_running)
+        finally:
+            if not waits:  # vLLM may allocate for it next (``HoldCounts``)
+                self.core.holds.counts.forget()
+        return not waits
+
+    def _admits(self, request: RequestView, num_running: int) -> bool:
+        """:meth:`admit`'s answer."""
         req_id = request.request_id
         self.core.requests.look(req_id)
         self.core.steps.running = max(0, int(num_running))  # vLLM's watermark and "while requests run"

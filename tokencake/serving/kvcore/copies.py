@@ -322,6 +322,7 @@ class CopyJobs:
                 del self.prefetching[job.session_id]
         if job.device_owned and self.core.pool is not None:
             self.core.pool.release(job.device_blocks)
+            self.core.holds.counts.forget()  # a held block may be among them (``HoldCounts``)
 
     def timeout_jobs(self, now: float) -> None:
         """Stop waiting for copies the workers have not confirmed in ``job_timeout_s``.

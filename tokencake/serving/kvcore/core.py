@@ -300,6 +300,7 @@ class KVCore:
         self, request: RequestView, block_ids: list[int], num_external_tokens: int
     ) -> None:
         """vLLM allocated the request's blocks (:meth:`RequestBook.allocated`)."""
+        self.holds.counts.forget()  # its prefix hits were referenced (``HoldCounts``)
         self.requests.allocated(request, block_ids, num_external_tokens)
 
     def request_finished(self, request: RequestView) -> dict[str, Any] | None:
@@ -332,6 +333,7 @@ class KVCore:
         preempted: Iterable[str] = (),
     ) -> None:
         """One engine step's scheduled tokens, running and preempted requests (:class:`StepHistory`)."""
+        self.holds.counts.forget()  # the pass ended (``HoldCounts``)
         self.steps.observe_step(num_scheduled_tokens, now, num_running=num_running, preempted=preempted)
 
     def on_worker_meta(self, meta: CopyReport | None, invalid_block_ids: Collection[int] = ()) -> None:
@@ -352,6 +354,7 @@ class KVCore:
 
     def build_jobs(self) -> list[CopyJob]:
         """Run the step's policy work and hand over the copies planned since the last call."""
+        self.holds.counts.forget()  # the pass ended (``HoldCounts``)
         try:
             self._step(self.clock())
         except Exception:  # policy failure: skip this step's policy work, still ship planned loads

@@ -22,8 +22,10 @@ class EvictionOrder:
 
     def __init__(self, core: KVCore) -> None:
         self.core = core
-        #: Offloaded stalls whose idle device blocks are at the front of the eviction queue.
-        self.demoted: set[str] = set()
+        #: Offloaded stalls whose idle device blocks are at the front of the eviction queue, in
+        #: the order they were demoted (a dict: chains that tie on their rank keep that order when
+        #: the queue is rebuilt, whatever the string hash seed).
+        self.demoted: dict[str, None] = {}
 
     def chain_blocks(
         self, stall: Stall, *, on_host_only: bool, first_in_line: bool = False
@@ -81,7 +83,7 @@ class EvictionOrder:
             return
         if not stall.evict_first:
             return
-        self.demoted.add(stall.stall_id)
+        self.demoted.setdefault(stall.stall_id)
         demoted = [s for s in (self.core.stalls.active.get(sid) for sid in self.demoted) if s is not None]
         rank = self._evict_rank
         if all(rank(s) <= rank(stall) for s in demoted):
@@ -90,7 +92,7 @@ class EvictionOrder:
             # of O(demoted × chain) (a thousand stalled sessions with long chains on a GPU).
             order = [stall]
         else:
-            order = sorted(demoted, key=rank)
+            order = sorted(demoted, key=rank)  # stable: ties in the order they were demoted
         moved = 0
         for s in order:  # each batch goes in front of the previous one: the latest return ends first
             blocks = self.chain_blocks(s, on_host_only=True, first_in_line=True)
@@ -105,7 +107,7 @@ class EvictionOrder:
         """The session is about to run again: its idle device blocks go back to the safe end."""
         if stall.stall_id not in self.demoted:
             return
-        self.demoted.discard(stall.stall_id)
+        del self.demoted[stall.stall_id]
         if self.core.demote_enabled and self.core.pool is not None:
             moved = self.core.pool.reorder(self.chain_blocks(stall, on_host_only=False), first=False)
             self.core.stats.inc("evict_order.promoted_blocks", moved)

@@ -6,17 +6,21 @@ needs the room).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable
+from itertools import chain, compress
+from operator import attrgetter, eq
 from typing import TYPE_CHECKING
 
-from tokencake.serving.kvcore.ports import DeviceBlock as KVCacheBlock
 from tokencake.serving.kvcore.records import Keep
-from tokencake.serving.spatial import demote_rank
+from tokencake.serving.spatial import demote_rank, reserved_sessions
 
 if TYPE_CHECKING:
     from tokencake.serving.kvcore.core import KVCore
 
 log = logging.getLogger("vllm.tokencake")
+
+_REF_CNT = attrgetter("ref_cnt")
 
 
 class Holds:
@@ -35,6 +39,8 @@ class Holds:
         self.short_pass = False
         #: Session id -> device blocks a policy keeps for it (``keep``).
         self.kept: dict[str, Keep] = {}
+        #: What releasing holds frees, counted once while nothing changes (``HoldCounts``).
+        self.counts = HoldCounts(self)
 
     def keep(
         self,
@@ -59,6 +65,7 @@ class Holds:
             return
         if blocks:
             self.core.pool.pin(blocks)
+            self.counts.forget()
         if self.core.decisions is not None:
             ids = [b.block_id for b in blocks]
             self.core.note("hold", kind=kind, session=session_id, blocks=ids, until=until)
@@ -82,24 +89,13 @@ class Holds:
         held = self.kept.pop(session_id, None)
         if held is None:
             return
+        self.counts.forget()
         if self.core.decisions is not None:
             self.core.note("release", kind=held.kind, session=session_id, why=why)
         if self.core.pool is not None:
             self.core.pool.release(held.blocks)
         self.core.stats.inc(f"{held.kind}.released.{why}")
         self.core.stats.observe(f"{held.kind}.held_s", max(self.core.clock() - held.since, 0.0))
-
-    def releasable(self, holds: Iterable[Keep]) -> int:
-        """Blocks that releasing all of ``holds`` together frees: those no one else references.
-        Two holds of sessions that share a system prompt reference its blocks twice, so neither
-        hold alone frees them (``Keep.releasable``), but releasing both does."""
-        refs: dict[int, int] = {}
-        blocks: dict[int, KVCacheBlock] = {}
-        for held in holds:
-            for b in held.blocks:
-                refs[id(b)] = refs.get(id(b), 0) + 1
-                blocks[id(b)] = b
-        return sum(blocks[k].ref_cnt <= n for k, n in refs.items())
 
     def release_until(
         self, enough: Callable[[], bool], why: str, *, spare: str = "", protect: frozenset[str] = frozenset()
@@ -196,4 +192,109 @@ class Holds:
         return n
 
 
-__all__ = ["Holds"]
+class _Snapshot:
+    """The counts of one stretch in which nothing changed them (see :class:`HoldCounts`); each
+    part is counted when first asked for."""
+
+    __slots__ = ("free", "only", "reserve", "total", "union")
+
+    def __init__(self, free: int) -> None:
+        #: The pool's free blocks when it was taken (another count: it is stale).
+        self.free = free
+        #: Per held session: its blocks that no one but holds references (by ``id``).
+        self.only: dict[str, frozenset[int]] | None = None
+        #: Blocks that releasing every hold frees.
+        self.total = 0
+        #: Excluded sessions -> the union of their ``only`` blocks.
+        self.union: dict[frozenset[str], frozenset[int]] = {}
+        #: Reserve cap -> the critical reserve's sessions.
+        self.reserve: dict[int, frozenset[str]] = {}
+
+
+class HoldCounts:
+    """What releasing holds would free, counted once while nothing that changes it happens, not
+    once per waiting request: vLLM's admission loop asks about every waiting request in every
+    scheduling pass, and each asks for the blocks of up to three sets of holds
+    (``AdmissionControl._room_verdict``) and for the critical reserve (``_protected``).
+
+    A hold pins each of its blocks once (:meth:`Holds.keep`), so a block's ``ref_cnt`` is at
+    least the number of holds that hold it, and releasing a set of holds frees exactly the
+    blocks that only holds reference (``ref_cnt`` equals their holders) and whose holders are
+    all in the set. So releasing every hold but those of some sessions frees all the
+    holds-only blocks less the union of those sessions' own: one walk of the held blocks, then
+    per question a set lookup and the asking request's own hold.
+
+    The counts go stale when a hold is added, extended or released, or a held block's
+    ``ref_cnt`` changes. :meth:`forget` drops them, and is called:
+
+    * by :meth:`Holds.keep` and :meth:`Holds.unkeep`;
+    * where the core takes or drops references on device blocks that may be held: an
+      offload's pins (``OffloadPlanning``) and a copy's release (``CopyJobs.release``);
+      allocations take unreferenced blocks only, never a held one;
+    * after every admission that is not told to wait (``AdmissionControl.admit``), and when
+      vLLM has allocated a request's blocks (``KVCore.update_state_after_alloc``): the
+      allocation references the request's prefix hits, which may be held blocks (a shared
+      system prompt). Inside its admission loop vLLM changes no other reference: it allocates
+      nothing for a request it skips, and frees only a request that waited for an
+      asynchronous load, which TokenCake's loads never are;
+    * at the end of every scheduling pass (``KVCore.observe_step``, ``KVCore.build_jobs``):
+      between passes vLLM frees finished requests' blocks and preempts running ones. Only the
+      admission path reads the counts, inside the next pass's admission loop, after all that.
+
+    A snapshot is also dropped when the pool's free count is not what it was when it was taken
+    (a guard: any allocation, or a free of a block no one else referenced, moves it). Within a
+    pass the requests told to wait share one count.
+    """
+
+    def __init__(self, holds: Holds) -> None:
+        self.holds = holds
+        self._snap: _Snapshot | None = None
+
+    def forget(self) -> None:
+        """Something that may change the counts happened (see the class docstring)."""
+        self._snap = None
+
+    def _current(self) -> _Snapshot:
+        pool = self.holds.core.pool
+        assert pool is not None
+        free = pool.num_free()
+        if self._snap is None or self._snap.free != free:
+            self._snap = _Snapshot(free)
+        return self._snap
+
+    def _only(self, snap: _Snapshot) -> dict[str, frozenset[int]]:
+        if snap.only is None:
+            kept = self.holds.kept
+            holders = Counter(map(id, chain.from_iterable(k.blocks for k in kept.values())))
+            snap.only = {}
+            for sid, k in kept.items():  # (the walk runs in C: a GPU holds 100k blocks)
+                ids = list(map(id, k.blocks))
+                refs = map(eq, map(_REF_CNT, k.blocks), map(holders.__getitem__, ids))
+                snap.only[sid] = frozenset(compress(ids, refs))
+            snap.total = len(frozenset().union(*snap.only.values()))
+        return snap.only
+
+    def without(self, excluded: frozenset[str], own: str) -> int:
+        """Blocks that releasing every hold but those of ``excluded`` and ``own`` frees (released
+        together: a block two of them share counts once they both go). ``excluded`` is usually
+        the same for every request of a pass; ``own`` is the asking request's session."""
+        snap = self._current()
+        only = self._only(snap)
+        gone = snap.union.get(excluded)
+        if gone is None:
+            gone = snap.union[excluded] = frozenset().union(*(only[sid] for sid in excluded if sid in only))
+        mine = only.get(own)
+        return snap.total - len(gone) - (len(mine - gone) if mine else 0)
+
+    def reserved(self, cap_blocks: int) -> frozenset[str]:
+        """The critical reserve (:func:`~tokencake.serving.spatial.reserved_sessions`) of the
+        critical-path holds, each with the blocks only it references."""
+        snap = self._current()
+        out = snap.reserve.get(cap_blocks)
+        if out is None:
+            holds = ((sid, k.rank, k.releasable) for sid, k in self.holds.kept.items() if k.critical)
+            out = snap.reserve[cap_blocks] = reserved_sessions(holds, cap_blocks)
+        return out
+
+
+__all__ = ["HoldCounts", "Holds"]

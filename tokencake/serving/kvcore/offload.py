@@ -181,6 +181,7 @@ class OffloadPlanning:
             self._after_host_preemption(taken, losers)
         blocks = [dev for _i, _h, dev in todo]
         self.core.pool.pin(blocks)
+        self.core.holds.counts.forget()  # a held block may be among them (``HoldCounts``)
         job = self.core.copies.new_job(
             "offload",
             [h for _i, h, _d in todo],
@@ -199,9 +200,11 @@ class OffloadPlanning:
 
     def _after_host_preemption(self, taken: list[int], losers: dict[int, frozenset[str]]) -> None:
         """Stalls lost the tail of their host copy to a session returning sooner: their device
-        blocks are no longer safe to evict first (what is left on device is all they have)."""
+        blocks are no longer safe to evict first (what is left on device is all they have).
+        They go back in the order of the slots taken, a slot's owners by id (each moves its
+        chain to the back of the free queue: an order independent of the string hash seed)."""
         self.core.stats.inc("host.preempted_blocks", len(taken))
-        hit = {owner for slot in taken for owner in losers[slot]}
+        hit = dict.fromkeys(owner for slot in taken for owner in sorted(losers[slot]))
         for owner in hit:
             is_stall = owner.startswith(STALL_OWNER)
             stall = self.core.stalls.active.get(owner.removeprefix(STALL_OWNER)) if is_stall else None

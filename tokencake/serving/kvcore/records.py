@@ -173,7 +173,7 @@ class Keep:
     @property
     def releasable(self) -> int:
         """Blocks only this hold keeps on device (releasing it frees exactly these)."""
-        return sum(b.ref_cnt == 1 for b in self.blocks)
+        return [b.ref_cnt for b in self.blocks].count(1)
 
 
 @dataclass

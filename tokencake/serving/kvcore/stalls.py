@@ -80,7 +80,7 @@ class StallBook:
         """Unpin a stall's host copies and forget it (a prefetch in flight keeps its own pins)."""
         self.core.host.release(stall_owner(stall_id))
         self.ended.pop(stall_id, None)
-        self.core.eviction.demoted.discard(stall_id)
+        self.core.eviction.demoted.pop(stall_id, None)
 
     def release_finish_pins(self, session_id: str) -> None:
         if self.finish_pins.pop(session_id, None) is not None:
