@@ -27,8 +27,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -42,7 +41,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 #: Seed 3 draws 0.24 first (< 0.4: the first copy fails), then 0.54 / 0.37 (the second is stalled).
 FAULTS = "copy_fail=0.4,copy_stall=0.5,copy_stall_s=0.5,kinds=offload+prefetch+load,seed=3"
-DEVICE_BLOCKS = 40
 MAX_TOKENS = 8
 WORDS = (
     "amber basil cedar dune ember fjord grove heath inlet juniper kelp larch moss nectar orchid pine "
@@ -106,35 +104,38 @@ def other_traffic(server: Server, tag: str, n: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def fault_server(server_logs: Path) -> Iterator[Server]:
-    """An extension server whose worker injects copy faults (the last test kills it).
+def boots(boot: Callable[..., Any], selected_fixtures: frozenset[str]) -> Iterator[dict[str, Any]]:
+    """The servers of this module that the selected tests use, started together (each start is
+    mostly one core importing vLLM).
 
-    Same settings as the session's servers (conftest.py), so its answers compare with the baseline.
+    Same settings as the session's servers (conftest.py), so their answers compare with the baseline.
     """
-    srv = Server(
-        num_gpu_blocks=DEVICE_BLOCKS,
-        max_model_len=4096,
-        env={"TOKENCAKE_FAULTS": FAULTS},
-        log_file=server_logs / "tokencake-faults.log",
-        startup_timeout=600.0,
-    )
-    with srv:
-        yield srv
+    started = {}
+    if "fault_server" in selected_fixtures:  # copy faults in the worker; the last test kills it
+        started["fault_server"] = boot("tokencake-faults", env={"TOKENCAKE_FAULTS": FAULTS})
+    if "timeout_server" in selected_fixtures:  # every offload and prefetch copy outlives ``job_timeout_s``
+        started["timeout_server"] = boot(
+            "tokencake-timeouts",
+            env={"TOKENCAKE_FAULTS": TIMEOUT_FAULTS},
+            connector_config={"job_timeout_s": TIMEOUT_S},
+        )
+    try:
+        yield started
+    finally:
+        for started_boot in started.values():
+            started_boot.stop()
 
 
 @pytest.fixture(scope="module")
-def timeout_server(server_logs: Path) -> Iterator[Server]:
+def fault_server(boots: dict[str, Any]) -> Server:
+    """An extension server whose worker injects copy faults (the last test kills it)."""
+    return boots["fault_server"].get()
+
+
+@pytest.fixture(scope="module")
+def timeout_server(boots: dict[str, Any]) -> Server:
     """An extension server whose offload and prefetch copies all outlive ``job_timeout_s``."""
-    srv = Server(
-        num_gpu_blocks=DEVICE_BLOCKS,
-        max_model_len=4096,
-        env={"TOKENCAKE_FAULTS": TIMEOUT_FAULTS},
-        connector_config={"job_timeout_s": TIMEOUT_S},
-        log_file=server_logs / "tokencake-timeouts.log",
-        startup_timeout=600.0,
-    )
-    with srv:
-        yield srv
+    return boots["timeout_server"].get()
 
 
 def _settled(server: Server, timeout_s: float = 20.0) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -134,18 +135,80 @@ def _serve_cmd(port: int, *more: str) -> list[str]:
             "--num-gpu-blocks", "40", *more]  # fmt: skip
 
 
-def _wait_models(port: int, proc: subprocess.Popen[str] | None, timeout: float = 600.0) -> float:
+def _wait_models(port: int, proc: subprocess.Popen[str] | None, timeout: float = 600.0) -> None:
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         if proc is not None and proc.poll() is not None:
             pytest.fail(f"tokencake serve exited early with {proc.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return time.monotonic() - started
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     pytest.fail(f"server on port {port} not ready after {timeout} s")
+
+
+class CliServer:
+    """One ``tokencake serve`` process of the CLI tests, with its own port and ``TOKENCAKE_HOME``."""
+
+    def __init__(self, tmp_path: Path, port: int, *more: str) -> None:
+        self.port, self.env = port, _cli_env(tmp_path)
+        self.state_file = tmp_path / "home" / "run" / f"server-{port}.json"
+        self.launched = time.monotonic()
+        self.proc = subprocess.Popen(
+            _serve_cmd(port, *more), env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def close(self) -> None:
+        """Stop what a failed test left running: the foreground process, or a detached group."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
+        if self.state_file.exists():
+            state = json.loads(self.state_file.read_text())
+            stop_process_group(int(state["pgid"]), int(state["pid"]), grace=10.0)
+
+
+@pytest.fixture(scope="module")
+def kill_servers(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[dict[str, CliServer]]:
+    """The foreground servers of the selected SIGTERM / SIGKILL tests, launched together when the
+    first of those tests starts (each start is mostly one core importing vLLM); each test waits for
+    its own. Two at a time: with the session's two, as many servers as the other modules run."""
+    wanted = {
+        item.callspec.id
+        for item in request.session.items
+        if "kill_servers" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")
+    }
+    servers: dict[str, CliServer] = {}
+    taken: set[int] = set()
+    try:
+        for name in sorted(wanted):
+            port = find_free_port()
+            while {port - 1, port, port + 1} & taken:  # each server's events port is its port + 1
+                port = find_free_port()
+            taken.update((port, port + 1))
+            servers[name] = CliServer(tmp_path_factory.mktemp(f"serve-{name}"), port)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+@pytest.fixture
+def detached_server(tmp_path: Path) -> Iterator[CliServer]:
+    """``tokencake serve --detach --spatial``, launched (it exits once the detached server serves)."""
+    server = CliServer(tmp_path, find_free_port(), "--detach", "--spatial")
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 def _alive(procs: list) -> list:
@@ -170,15 +233,14 @@ def _wait_gone(procs: list, timeout: float = 60.0) -> list:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_killing_serve_leaves_no_vllm_process(
-    tmp_path: Path, sig: signal.Signals, timing: dict[str, float]
+    kill_servers: dict[str, CliServer], sig: signal.Signals, timing: dict[str, float]
 ) -> None:
     psutil = pytest.importorskip("psutil", reason="psutil comes with vllm")
-    port = find_free_port()
-    proc = subprocess.Popen(
-        _serve_cmd(port), env=_cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    server = kill_servers[sig.name.lower()]
+    port, proc = server.port, server.proc
     try:
-        timing[f"tokencake serve (CLI) ready, {sig.name} test"] = _wait_models(port, proc)
+        _wait_models(port, proc)
+        timing[f"tokencake serve (CLI) ready, {sig.name} test"] = time.monotonic() - server.launched
         # Default flags answer well on this host, whatever its CPU flags (bf16 did not say Paris).
         base = f"http://127.0.0.1:{port}/v1"
         model = httpx.get(base + "/models", timeout=10).json()["data"][0]["id"]
@@ -240,12 +302,17 @@ def _spatial_mixed_traffic(base_url: str, log: Path, baseline: Server) -> None:
         assert ask(baseline.base_url, i, meta=False) == replies[i], i
 
 
+#: Requests of the soak: ~2.6 times what the 40-block device KV holds at once (~6.5 blocks each), so
+#: most of them wait while the running batch holds every block. Each costs about 4 s on 2 cores.
+SOAK_REQUESTS = 16
+
+
 def _spatial_soak_at_full_kv(base_url: str) -> None:
-    """Issue 12's progress guarantee: 24 concurrent requests of ~5–6 blocks each (96 output
-    tokens) against 40 device blocks (the running batch holds every block, the rest wait), half
-    annotated with DAG positions, half plain OpenAI requests. Every request completes, within the
-    spatial score's starvation bound (capped at 4 minutes: one batch, no newcomers) plus a minute:
-    no deadlock, nobody overtaken forever."""
+    """Issue 12's progress guarantee: ``SOAK_REQUESTS`` concurrent requests of ~5–7 blocks each
+    (96 output tokens) against 40 device blocks (the running batch holds every block, the rest
+    wait), half annotated with DAG positions, half plain OpenAI requests. Every request completes,
+    within the spatial score's starvation bound (capped at 4 minutes: one batch, no newcomers) plus
+    a minute: no deadlock, nobody overtaken forever."""
     from tokencake.serving.spatial import SpatialScorer
 
     model = httpx.get(base_url + "/models", timeout=10).json()["data"][0]["id"]
@@ -261,13 +328,15 @@ def _spatial_soak_at_full_kv(base_url: str) -> None:
                         peak[0] = max(peak[0], float(line.rsplit(" ", 1)[1]))
             except httpx.HTTPError:
                 pass
-            done.wait(0.1)
+            done.wait(0.25)  # the batch holds its peak for seconds; scrapes cost the server CPU
 
     def ask(i: int) -> tuple[int, float, str]:
         # A unique first block per request: no prefix is shared, every request needs its own blocks.
+        # Prompts of 560 to 860 words, spread evenly.
+        words = 560 + 300 * i // (SOAK_REQUESTS - 1)
         body: dict[str, object] = {
             "model": model,
-            "messages": [{"role": "user", "content": f"Soak {i}, say ok. " + "word " * (560 + 13 * i)}],
+            "messages": [{"role": "user", "content": f"Soak {i}, say ok. " + "word " * words}],
             # Long enough answers that admitted requests pile up and hold their blocks (on 2 CPU cores
             # prefill is the bottleneck: short answers finish before the next prompt is in).
             "max_tokens": 96,
@@ -289,8 +358,8 @@ def _spatial_soak_at_full_kv(base_url: str) -> None:
     sampler = threading.Thread(target=sample_usage, daemon=True)
     sampler.start()
     try:
-        with ThreadPoolExecutor(24) as pool:
-            results = list(pool.map(ask, range(24)))
+        with ThreadPoolExecutor(SOAK_REQUESTS) as pool:
+            results = list(pool.map(ask, range(SOAK_REQUESTS)))
     finally:
         done.set()
         sampler.join(10)
@@ -301,19 +370,18 @@ def _spatial_soak_at_full_kv(base_url: str) -> None:
     assert slowest <= bound, (slowest, bound)
 
 
-def test_detach_then_stop(tmp_path: Path, timing: dict[str, float], baseline_server: Server) -> None:
+def test_detach_then_stop(
+    detached_server: CliServer, timing: dict[str, float], baseline_server: Server
+) -> None:
     """``--detach`` (here with ``--spatial``: the spatial scheduler inside vLLM), then ``stop``."""
     psutil = pytest.importorskip("psutil", reason="psutil comes with vllm")
-    port = find_free_port()
-    env = _cli_env(tmp_path)
-    started = time.monotonic()
-    cmd = _serve_cmd(port, "--detach", "--spatial")
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=660)
-    timing["tokencake serve --detach --spatial"] = time.monotonic() - started
-    assert res.returncode == 0, res.stderr
-    assert f"http://127.0.0.1:{port}/v1" in res.stdout
-    assert f"http://127.0.0.1:{port + tc.events.EVENTS_PORT_OFFSET}" in res.stdout
-    state_file = tmp_path / "home" / "run" / f"server-{port}.json"
+    server = detached_server
+    port, env, state_file = server.port, server.env, server.state_file
+    stdout, stderr = server.proc.communicate(timeout=660)
+    timing["tokencake serve --detach --spatial"] = time.monotonic() - server.launched
+    assert server.proc.returncode == 0, stderr
+    assert f"http://127.0.0.1:{port}/v1" in stdout
+    assert f"http://127.0.0.1:{port + tc.events.EVENTS_PORT_OFFSET}" in stdout
     assert state_file.is_file()
     _wait_models(port, None, timeout=10)
     state = json.loads(state_file.read_text())
@@ -330,7 +398,7 @@ def test_detach_then_stop(tmp_path: Path, timing: dict[str, float], baseline_ser
     except BaseException:
         stop_process_group(int(state["pgid"]), int(state["pid"]), grace=10.0)
         raise
-    timing["spatial: soak at full KV, 24 mixed requests"] = time.monotonic() - started
+    timing[f"spatial: soak at full KV, {SOAK_REQUESTS} mixed requests"] = time.monotonic() - started
     watchdog = psutil.Process(int(state["pid"]))
     tree = [watchdog, *watchdog.children(recursive=True)]
     res = subprocess.run(

@@ -14,9 +14,8 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,7 +29,6 @@ WORDS = (
     "amber basil cedar dune ember fjord grove heath inlet juniper kelp larch moss nectar orchid pine "
     "quartz reed sage thistle umber vale willow yarrow zinnia"
 ).split()
-DEVICE_BLOCKS = 40
 MAX_TOKENS = 8
 LOCAL = 'vllm:prompt_tokens_by_source_total{source="local_compute"}'
 
@@ -51,19 +49,24 @@ def servers(tokencake_server: Server, baseline_server: Server) -> tuple[Server, 
     return tokencake_server, baseline_server
 
 
-@pytest.fixture(scope="module")
-def tiny_pool_server(server_logs: Path) -> Iterator[Server]:
-    """An extension server whose host pool (2 blocks) cannot hold A's ~8 blocks."""
-    srv = Server(
-        num_gpu_blocks=DEVICE_BLOCKS,
-        max_model_len=4096,
-        host_pool_blocks=2,
-        extra_args=["--dtype", "float32"],  # as SERVER_SETTINGS: answers are compared across servers
-        log_file=server_logs / "tokencake-tiny-pool.log",
-        startup_timeout=600.0,
+@pytest.fixture(scope="module", autouse=True)
+def tiny_pool_boot(boot: Callable[..., Any], selected_fixtures: frozenset[str]) -> Iterator[Any]:
+    """An extension server whose host pool (2 blocks) cannot hold A's ~8 blocks, started with this
+    module's first test when a selected test uses it: it boots while the tests before that one run."""
+    started = (
+        boot("tokencake-tiny-pool", host_pool_blocks=2) if "tiny_pool_server" in selected_fixtures else None
     )
-    with srv:
-        yield srv
+    try:
+        yield started
+    finally:
+        if started is not None:
+            started.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_pool_server(tiny_pool_boot: Any) -> Server:
+    """The tiny-pool server, once it serves (same settings as the session's, answers compare)."""
+    return tiny_pool_boot.get()
 
 
 @dataclass
