@@ -25,7 +25,9 @@ kept under ``attempts`` and runs again on the next call.
 Plans (``release_plan.py``): ``full`` is every workload on every system (about 8 h on 2 cores from
 the stored runs' medians); ``default`` (about 5 h) cuts what does not bear on the acceptance. The
 plan is fixed at creation; ``--plan-only`` and ``--status`` print the estimate; the table says what
-was cut. Summaries and the table: ``release_report.py``.
+was cut. Summaries and the table (``release_report.py``) are written when a run finishes the set;
+a run that stops with units left writes neither, so a partial set never replaces the published
+table (``--summarize`` writes them from the finished units, listing every unfinished one).
 """
 
 from __future__ import annotations
@@ -352,6 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         only = [x.strip() for x in args.workloads.split(",") if x.strip()] if args.workloads else None
         manifest = run(args.out, only=only, hours=args.hours, priors=priors)
         print(status(manifest, None))
+        if left(manifest):
+            # A partial set must not replace the published table: a rerun continues it, and
+            # --summarize writes the summaries from the finished units when that is wanted.
+            print("the set is not complete: summaries and tables are written when it is")
+            return 0
         return _summarize(args)
     except ReleaseError as exc:
         print(f"release: error: {exc}", file=sys.stderr)

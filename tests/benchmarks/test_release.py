@@ -206,3 +206,19 @@ def test_status_says_what_is_left_and_how_long_it_takes(repo, tmp_path, capsys):
     assert f"draw seeds {manifest['seeds']['draws'][0]}" in text
     assert release.main(["--status", "--out", str(tmp_path / "none")]) == 2
     assert capsys.readouterr().err.startswith("release: error: no release set in ")
+
+
+def test_a_run_that_stops_with_units_left_writes_no_table(repo, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "set"
+    _create(repo, out)
+    summarized, real_run = [], release.run
+    monkeypatch.setattr(release, "_summarize", lambda args: summarized.append(args) or 0)
+    monkeypatch.setattr(
+        release,
+        "run",
+        lambda out_, only, **kw: real_run(out_, root=repo, bench=Stub(), only=only, log=lambda _s: None),
+    )
+    assert release.main(["--out", str(out), "--workloads", "ci"]) == 0  # a budget stops it as well
+    assert summarized == [] and "not complete" in capsys.readouterr().out
+    assert release.main(["--out", str(out)]) == 0
+    assert len(summarized) == 1
