@@ -15,9 +15,13 @@ dependencies are missing on the device machine): see :func:`load_tokencake_modul
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import importlib.util
 import json
+import os
+import platform
+import subprocess
 import sys
 import time
 import types
@@ -59,6 +63,33 @@ def load_tokencake_module(name: str) -> Any:
 def load_copy_module() -> Any:
     """The module of ``BlockCopier`` (see :func:`load_tokencake_module`)."""
     return load_tokencake_module("serving.vllm._copy")
+
+
+def provenance(script: str) -> dict[str, Any]:
+    """What ran, for a results file: the commit and dirty flag (from git, or ``TOKENCAKE_COMMIT``
+    where the copy has no ``.git``, as on the device machine), and a SHA-256 of the script and of
+    every ``tokencake/**/*.py`` file, which identify the code even without git."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--", "tokencake", "scripts") if commit else None
+    code = hashlib.sha256()
+    for path in sorted((ROOT / "tokencake").rglob("*.py")):
+        code.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return {
+        "commit": commit or os.environ.get("TOKENCAKE_COMMIT") or None,
+        "dirty": None if status is None else bool(status),
+        "script": f"scripts/{script}",
+        "script_sha256": hashlib.sha256((ROOT / "scripts" / script).read_bytes()).hexdigest(),
+        "tokencake_py_sha256": code.hexdigest(),
+        "host": platform.node(),
+    }
 
 
 def cuda_timed(torch: Any, fn: Any) -> float:
@@ -207,7 +238,8 @@ def main() -> int:
             f"  {r['byte_exact']}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"peak": ref, "rows": rows}, indent=2))
+        out = {"peak": ref, "rows": rows, "provenance": provenance("gpu_check.py")}
+        args.json.write_text(json.dumps(out, indent=2))
         print(f"wrote {args.json}")
     return 0 if all(r["byte_exact"] for r in rows) else 1
 

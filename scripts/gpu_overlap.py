@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import cuda_timed as timed
-from gpu_check import cuda_torch, load_copy_module
+from gpu_check import cuda_torch, load_copy_module, provenance
 
 #: Llama-3-8B bf16 KV: 32 layers, 8 KV heads, head dim 128, 16-token blocks (2 MiB per block).
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
@@ -149,6 +149,7 @@ def main() -> int:
     if args.json:
         out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "byte_exact": exact}
         out["rows"] = rows
+        out["provenance"] = provenance("gpu_overlap.py")
         args.json.write_text(json.dumps(out, indent=2))
         print(f"wrote {args.json}")
     return 0 if exact else 1

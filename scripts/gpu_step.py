@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import cuda_timed, cuda_torch, load_by_path
+from gpu_check import cuda_timed, cuda_torch, load_by_path, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -389,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "rows": rows,
             "notes": NOTES,
+            "provenance": provenance("gpu_step.py"),
         }
         args.json.write_text(json.dumps(out, indent=2))
         print(f"wrote {args.json}")

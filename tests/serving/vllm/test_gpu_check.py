@@ -56,3 +56,28 @@ def test_gpu_check_loads_the_copy_helpers_without_vllm_or_the_package() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["tokencake.serving.vllm._copy"]
+
+
+def test_results_record_what_ran_with_git_and_without(tmp_path, monkeypatch) -> None:
+    """``provenance``: the commit and dirty flag from git; on a copy without ``.git`` (the device
+    machine) the commit from ``TOKENCAKE_COMMIT``; the code hash changes with any tokencake file."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    here = gpu_check.provenance("gpu_step.py")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert here["commit"] == head.stdout.strip() and isinstance(here["dirty"], bool)
+    copy = tmp_path / "copy"
+    (copy / "scripts").mkdir(parents=True)
+    (copy / "scripts" / "gpu_step.py").write_bytes((ROOT / "scripts" / "gpu_step.py").read_bytes())
+    (copy / "tokencake").mkdir()
+    (copy / "tokencake" / "a.py").write_text("X = 1\n")
+    monkeypatch.setattr(gpu_check, "ROOT", copy)
+    monkeypatch.setenv("TOKENCAKE_COMMIT", "abc123")
+    bare = gpu_check.provenance("gpu_step.py")
+    assert bare["commit"] == "abc123" and bare["dirty"] is None
+    assert bare["script_sha256"] == here["script_sha256"]
+    (copy / "tokencake" / "a.py").write_text("X = 2\n")
+    assert gpu_check.provenance("gpu_step.py")["tokencake_py_sha256"] != bare["tokencake_py_sha256"]
