@@ -14,7 +14,8 @@ holds everything that fixes the set: the serving code (the commit and the git tr
 bench`` arguments, the plan (every unit with its system order) and each finished unit. A rerun
 continues with the units not done; it refuses (one line) when ``tokencake/`` has uncommitted
 changes or its tree differs from the manifest's, so every unit measures the same code. Commits that
-leave ``tokencake/`` alone (docs, these scripts) do not break the set.
+leave ``tokencake/`` alone (docs, these scripts), or change only what no measured process imports
+(:data:`UNMEASURED`: the simulator), do not break the set; each unit records the tree it ran at.
 
 The fresh draws are ``benchmarks/unseen_real.py`` workloads whose seeds are drawn with ``secrets``
 at creation and refused when the draw's seed or its workload seed appears anywhere in docs/
@@ -83,26 +84,46 @@ def _git(root: Path, *args: str) -> str:
     return out.stdout.strip()
 
 
+#: Folders of ``tokencake/`` that no measured process imports (the bench client, the servers and
+#: the apps they run): a set's units stay comparable when only these change
+#: (``tests/benchmarks/test_release.py`` checks the imports).
+UNMEASURED = ("tokencake/sim/",)
+_PATHSPEC = ("--", "tokencake", *(f":(exclude){p}" for p in UNMEASURED))
+
+
 def identity(root: Path = ROOT) -> dict[str, Any]:
     """The serving code at ``root``: HEAD's commit, the git tree of its ``tokencake/`` and whether
-    ``tokencake/`` differs from it (tracked changes or files git does not ignore)."""
+    the measured part of ``tokencake/`` differs from it (tracked changes or files git does not
+    ignore)."""
     return {
         "commit": _git(root, "rev-parse", "HEAD"),
         "tokencake_tree": _git(root, "rev-parse", "HEAD:tokencake"),
-        "dirty": bool(_git(root, "status", "--porcelain", "--untracked-files=all", "--", "tokencake")),
+        "dirty": bool(_git(root, "status", "--porcelain", "--untracked-files=all", *_PATHSPEC)),
     }
 
 
-def check_identity(recorded: Mapping[str, Any] | None, now: Mapping[str, Any]) -> None:
-    """Raise :class:`ReleaseError` unless ``now`` is clean and (given a set's) the same serving code."""
+def measured_changes(recorded_tree: str, tree: str, root: Path = ROOT) -> list[str]:
+    """Files of ``tokencake/`` that differ between two of its trees outside :data:`UNMEASURED`."""
+    if recorded_tree == tree:
+        return []
+    names = _git(root, "diff", "--name-only", recorded_tree, tree).splitlines()
+    return [n for n in names if not f"tokencake/{n}".startswith(UNMEASURED)]
+
+
+def check_identity(recorded: Mapping[str, Any] | None, now: Mapping[str, Any], root: Path = ROOT) -> None:
+    """Raise :class:`ReleaseError` unless ``now`` is clean and (given a set's) the same serving code:
+    the same ``tokencake/`` tree, or one that differs only in :data:`UNMEASURED`."""
     if now["dirty"]:
         raise ReleaseError(
             "tokencake/ has uncommitted changes: commit or restore them (a set measures one code)"
         )
-    if recorded is not None and now["tokencake_tree"] != recorded["tokencake_tree"]:
+    if recorded is not None and (
+        changed := measured_changes(recorded["tokencake_tree"], now["tokencake_tree"], root)
+    ):
         raise ReleaseError(
             f"the serving code differs from the set's: tokencake/ tree {now['tokencake_tree'][:10]} at "
-            f"{now['commit'][:7]}, the set's {recorded['tokencake_tree'][:10]} at {recorded['commit'][:7]}; "
+            f"{now['commit'][:7]}, the set's {recorded['tokencake_tree'][:10]} at {recorded['commit'][:7]} "
+            f"(tokencake/{changed[0]}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''}); "
             "check out that code or start a new set in another --out"
         )
 
@@ -221,7 +242,7 @@ def run(
     unknown = sorted(set(only or ()) - set(names))
     if unknown:
         raise ReleaseError(f"unknown workload(s) {', '.join(unknown)}; the set has {', '.join(names)}")
-    check_identity(manifest["identity"], identity(root))
+    check_identity(manifest["identity"], identity(root), root)
     start = clock()
     for unit in left(manifest, only):
         w = workload_of(manifest, unit["workload"])
@@ -229,7 +250,8 @@ def run(
         if hours is not None and clock() - start + guess > hours * 3600:
             log(f"stopping: {unit['unit']} (~{guess / 60:.0f} min) would end past the {hours:g} h budget")
             break
-        check_identity(manifest["identity"], identity(root))
+        now = identity(root)
+        check_identity(manifest["identity"], now, root)
         config = bench_config(w, manifest["plan"]["rounds"])
         order = [s.name for s in system_order(config, unit["round"] - 1, config.points[0].label)]
         if order != unit["order"]:
@@ -257,6 +279,7 @@ def run(
             "wall_s": round(clock() - t0, 1),
             "systems": len(order),
             "commit": results["versions"].get("git_commit"),
+            "tokencake_tree": now["tokencake_tree"],
         }
         if results["valid"]:
             manifest["done"][unit["unit"]] = record
@@ -368,10 +391,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _summarize(args: argparse.Namespace) -> int:
     from release_report import write_all  # type: ignore[import-not-found]
 
+    manifest, head = load(args.out), identity()
+    head["measured_changes"] = measured_changes(
+        manifest["identity"]["tokencake_tree"], head["tokencake_tree"]
+    )
     try:
-        written = write_all(
-            load(args.out), args.out, docs=args.docs, strict=args.docs is not None, head=identity()
-        )
+        written = write_all(manifest, args.out, docs=args.docs, strict=args.docs is not None, head=head)
     except ValueError as exc:  # a named file without the release-table markers
         raise ReleaseError(str(exc)) from None
     for line in written:

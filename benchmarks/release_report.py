@@ -325,7 +325,7 @@ def summarize(
         "kind": "tokencake-release-set",
         "identity": ident,
         "head": dict(head) if head else None,
-        "serving_code_is_head": None if head is None else head["tokencake_tree"] == ident["tokencake_tree"],
+        "serving_code_is_head": _same_serving_code(head, ident),
         "plan": manifest["plan"],
         "seeds": manifest["seeds"],
         "reference": manifest["reference"],
@@ -349,6 +349,16 @@ def summarize(
     if index["provenance"]:
         del index["provenance"]["units"]
     return index, summaries
+
+
+def _same_serving_code(head: Mapping[str, Any] | None, ident: Mapping[str, Any]) -> bool | None:
+    """Whether HEAD serves the set's code: ``head["measured_changes"]`` (files the measured
+    processes import that differ) when given, else the ``tokencake/`` trees are equal."""
+    if head is None:
+        return None
+    if "measured_changes" in head:
+        return not head["measured_changes"]
+    return head["tokencake_tree"] == ident["tokencake_tree"]
 
 
 def _m(file: str, path: str, fmt: str) -> str:

@@ -222,3 +222,50 @@ def test_a_run_that_stops_with_units_left_writes_no_table(repo, tmp_path, monkey
     assert summarized == [] and "not complete" in capsys.readouterr().out
     assert release.main(["--out", str(out)]) == 0
     assert len(summarized) == 1
+
+
+def test_a_change_only_where_no_measured_process_imports_keeps_the_set(repo, tmp_path):
+    (repo / "tokencake" / "sim").mkdir()
+    (repo / "tokencake" / "sim" / "model.py").write_text("Y = 1\n")
+    _commit(repo)
+    out = tmp_path / "set"
+    _create(repo, out)
+    (repo / "tokencake" / "sim" / "model.py").write_text("Y = 2\n")  # uncommitted: not measured
+    stub = Stub()
+    release.run(out, root=repo, bench=stub, only=["ci"], log=lambda _s: None)
+    _commit(repo)
+    release.run(out, root=repo, bench=stub, only=["draw-1"], log=lambda _s: None)
+    done = json.loads((out / "manifest.json").read_text())["done"]
+    assert len({d["tokencake_tree"] for d in done.values()}) == 2  # each unit records its tree
+    (repo / "tokencake" / "serving.py").write_text("X = 3\n")
+    _commit(repo)
+    with pytest.raises(release.ReleaseError, match=r"tokencake/serving\.py"):
+        release.run(out, root=repo, bench=stub, log=lambda _s: None)
+
+
+def test_no_measured_process_imports_what_the_set_may_change():
+    """``release.UNMEASURED`` (the simulator) is imported only by itself, the ``tokencake sim``
+    command and ``tokencake run --trace`` (which writes a simulator trace): not by the bench client
+    (``run_bench``), the servers, the vLLM plug-ins or the apps."""
+    import ast
+
+    package = _DIR.parent / "tokencake"
+    allowed = {package / "cli" / "_sim.py", package / "cli" / "_run.py"}
+    unmeasured = tuple(p.removesuffix("/").replace("/", ".") for p in release.UNMEASURED)
+    found = []
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(_DIR.parent).as_posix()
+        if rel.startswith(release.UNMEASURED) or path in allowed:
+            continue
+        parts = path.relative_to(_DIR.parent).with_suffix("").parts
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = parts[: len(parts) - node.level] if node.level else ()
+                names = [".".join([*base, node.module or ""]).strip(".")]
+                names += [f"{names[0]}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found += [f"{rel}:{node.lineno}" for n in names if n.startswith(unmeasured)]
+    assert not found, found
