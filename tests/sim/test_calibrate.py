@@ -123,14 +123,19 @@ def test_the_step_cases_are_priced_as_the_engine_prices_a_step() -> None:
 def test_the_packaged_measurements_are_the_compact_of_the_stored_files() -> None:
     data = measurements()
     assert data == compact_measurements(BENCH)
-    assert data["device"] == "NVIDIA H200" and data["git_commit"] is None
+    assert data["device"] == "NVIDIA H200"
+    # Each source names the commit that measured it (its file's provenance).
+    assert set(data["commits"]) == set(data["sources"]) and all(data["commits"].values())
 
 
 def test_the_report_states_each_case_and_which_were_fitted() -> None:
     from tokencake.sim.calibrate import report
 
     doc = report(H200)
-    assert doc["measured_on"]["device"] == "NVIDIA H200" and doc["measured_on"]["git_commit"] is None
+    assert (
+        doc["measured_on"]["device"] == "NVIDIA H200"
+        and doc["measured_on"]["commits"] == measurements()["commits"]
+    )
     assert doc["fitted_cases"] == 13 and doc["worst_fitted_error"] <= 0.10
     step = {r["case"]: r for r in doc["step"]}
     assert [r["case"] for r in doc["step"]] == [c.case for c in step_cases()]

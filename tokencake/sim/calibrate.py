@@ -1,8 +1,8 @@
 """The GPU model against what was measured on an H200: step times and pinned copies.
 
-The measurements (real H200, torch bf16; the files carry no commit) come from two scripts and are
-shipped compact as ``fixtures/gpu-h200.json`` (``python -m tokencake.sim.calibrate --write DIR``
-rewrites it from ``DIR``'s full files):
+The measurements (real H200, torch bf16; each file's ``provenance`` names its commit) come from two
+scripts and are shipped compact as ``fixtures/gpu-h200.json`` (``python -m tokencake.sim.calibrate
+--write DIR`` rewrites it from ``DIR``'s full files):
 
 * ``docs/bench/gpu-step.json`` (``scripts/gpu_step.py``): an eager forward of a Llama-3-8B-shaped
   model — prefill chunks of 512 / 2,048 / 8,192 tokens, a 2,048-token chunk after 8,192 / 16,384
@@ -233,9 +233,10 @@ def copy_errors(profile: HardwareProfile, data: Mapping[str, Any] | None = None)
 def compact_measurements(runs_dir: Path) -> dict[str, Any]:
     """The compact measurements from the full files in ``runs_dir`` (a clone's ``docs/bench``)."""
     step = json.loads((runs_dir / STEP_FILE).read_text())
+    overlaps = {name: json.loads((runs_dir / name).read_text()) for name in OVERLAP_FILES}
     copies = []
-    for name in OVERLAP_FILES:
-        for r in json.loads((runs_dir / name).read_text())["rows"]:
+    for doc in overlaps.values():
+        for r in doc["rows"]:
             copies.append(
                 {
                     k: r[k]
@@ -249,7 +250,10 @@ def compact_measurements(runs_dir: Path) -> dict[str, Any]:
         "device": step["device"],
         "torch": step["torch"],
         "dtype": step["dtype"],
-        "git_commit": None,  # the stored files do not record the commit they were measured at
+        "commits": {
+            name: (doc.get("provenance") or {}).get("commit")
+            for name, doc in {STEP_FILE: step, **overlaps}.items()
+        },
         "notes": step.get("notes", ""),
         "block_bytes": 2 * 2**20,
         "step": [
@@ -272,7 +276,7 @@ def report(profile: HardwareProfile) -> dict[str, Any]:
     copies = fit_copies(data)
     return {
         "profile": profile.name,
-        "measured_on": {k: data[k] for k in ("device", "torch", "dtype", "git_commit", "sources")},
+        "measured_on": {k: data[k] for k in ("device", "torch", "dtype", "commits", "sources")},
         "launch_margin": LAUNCH_MARGIN,
         "step": [{**r, "leave_one_out": loo.get(r["case"])} for r in rows],
         "fitted_cases": len(fitted),
