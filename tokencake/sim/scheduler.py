@@ -11,12 +11,14 @@ One pass per step (``vllm/v1/core/sched/scheduler.py``):
    priority, then the latest arrival — a victim already scheduled this pass gives its tokens
    back) until the request fits or is the victim itself.
 2. **Waiting requests**, unless the pass preempted one, while budget, ``max_num_seqs`` and
-   blocks last: the device prefix-cache hit (an unbroken chain from block 0, one token always
-   left to compute), then the connector's ``get_num_new_matched_tokens`` (None: the request is
-   skipped this step and keeps its place), then vLLM's allocation test — the whole prompt must
-   fit beside its hits, counting the hits that sit in the free queue (``full_sequence_must_fit``);
-   a request that does not fit stops the pass — then the allocation (hits first, the loaded
-   blocks, the step's chunk) and ``update_state_after_alloc``.
+   blocks last, the head of the queue: ``_handle_blocked_waiting_request``
+   (:meth:`Scheduler.proceeds`), the device prefix-cache hit (an unbroken chain from block 0, one
+   token always left to compute) and the connector's ``get_num_new_matched_tokens`` — a False or
+   a None pops the request, skipped this step, and queues it again when the pass ends (FCFS: at
+   the head, in its order) — then vLLM's allocation test: the whole prompt must fit beside its
+   hits, counting the hits that sit in the free queue (``full_sequence_must_fit``); a request
+   that does not fit stops the pass and stays queued (not popped). Then the pop, the allocation
+   (hits first, the loaded blocks, the step's chunk) and ``update_state_after_alloc``.
 
 As vLLM's allocation does, the blocks that the step fills (computed or loaded) join the prefix
 cache when they are allocated: a later admission of the same pass hits them.
@@ -25,6 +27,16 @@ cache when they are allocated: a later admission of the same pass hits them.
 (``tokencake/serving/vllm/scheduler.py``): the waiting queue by the spatial score, and a prefix-cache
 reset that gives held chains back first. TokenCake's admission rules reach vLLM through the
 connector's hook; :meth:`Scheduler.connector_admission` is the one place the pass asks them.
+
+Its queue does what ``ScoredRequestQueue`` does under vLLM's pop, skip and prepend: every pop
+(an admission, or a skip) counts the request's wait in its session's lag
+(:meth:`SpatialScorer.admitted`: the last wait counts, once), and a request put back (skipped at
+the pass's end, or preempted, its preemptions counted) is keyed again
+(:meth:`SpatialScorer.order_key`: its session's lag, preemptions and KV credits then). What it
+leaves out: vLLM's queue counts no wait of a request that arrived at 0 (an unknown arrival
+there; every simulated arrival is known), and ties of key and arrival go to the lower request
+number (vLLM's queue: the request id as a string). The connector's loads are synchronous (in
+vLLM too), so vLLM's second queue, of waiting requests that hold blocks, stays empty: not modelled.
 """
 
 from __future__ import annotations
@@ -84,7 +96,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the waiting queue
     def enqueue(self, req: Request, *, front: bool = False) -> None:
         """FCFS: at the back (``front``: a preempted or skipped request, at the head); otherwise
-        in :meth:`queue_key` order."""
+        in :meth:`queue_key` order, the key taken now (a request put back is keyed again)."""
         if self.policy != "fcfs":
             req.queue_key = key = self.queue_key(req)
             i = len(self.waiting)
@@ -100,8 +112,9 @@ class Scheduler:
         """vLLM's priority queue: (priority, arrival)."""
         return (float(req.priority), req.arrival, req.rid)
 
-    def admitted(self, req: Request, now: float) -> None:
-        """A waiting request left the queue for good this pass."""
+    def popped(self, req: Request, now: float) -> None:
+        """A waiting request left the queue this pass: admitted, or skipped (it is queued again
+        when the pass ends)."""
 
     # ------------------------------------------------------------------ one pass
     def schedule(self, now: float) -> StepPlan:
@@ -154,18 +167,18 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
             req = self.waiting[0]
             total = req.total_tokens
-            hit = cache.match(req.session.keys((total - 1) // bs))  # one token left to compute
-            external = self.connector_admission(req, len(hit) * bs) if self.proceeds(req) else None
-            if external is None:  # not this step: it keeps its place, vLLM looks at the next one
-                skipped.append(self._dequeue())
+            proceeds = self.proceeds(req)  # before the hit, as in vLLM (admission may make room)
+            hit = cache.match(req.session.keys((total - 1) // bs)) if proceeds else []  # one token left
+            external = self.connector_admission(req, len(hit) * bs) if proceeds else None
+            if external is None:  # not this step: vLLM pops it, looks at the next one, queues it again
+                skipped.append(self._dequeue(now))
                 continue
             computed = len(hit) * bs + external
             n = min(total - computed, budget)
             evictable = sum(1 for b in hit if cache.ref[b] == 0)
             if cdiv(total, bs) - len(hit) + evictable > cache.num_free:
                 break  # the whole prompt must fit (it stops the pass: vLLM's order)
-            self._dequeue()
-            self.admitted(req, now)
+            self._dequeue(now)
             cache.touch(hit)
             req.blocks = hit + cache.allocate(cdiv(computed + n, bs) - len(hit))
             req.cached_upto = len(hit)
@@ -227,8 +240,11 @@ class Scheduler:
         self.preemptions += 1
         self.enqueue(req, front=True)
 
-    def _dequeue(self) -> Request:
-        return self.waiting.popleft()
+    def _dequeue(self, now: float) -> Request:
+        """vLLM's ``pop_request`` of the queue's head (:meth:`popped` hears of it)."""
+        req = self.waiting.popleft()
+        self.popped(req, now)
+        return req
 
     # ------------------------------------------------------------------ prefix-cache reset
     def reset_prefix_cache(self, *, reset_connector: bool = True) -> bool:
@@ -300,7 +316,10 @@ class TokenCakeScheduler(Scheduler):
         )
         return (key, req.arrival, req.rid)
 
-    def admitted(self, req: Request, now: float) -> None:
+    def popped(self, req: Request, now: float) -> None:
+        """The request's wait counts in its session's lag at every pop, a pass that skips it
+        included (``ScoredRequestQueue._count_wait``: the last wait counts, once), so the key it
+        gets when it is queued again sees the slack its branch spent."""
         meta: RequestMeta | None = req.meta
         self.scorer.admitted(meta, request_id=req.request_id, waited_s=now - req.arrival)
 
