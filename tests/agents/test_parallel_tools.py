@@ -43,16 +43,14 @@ def _parallel_script() -> list:
 
 
 async def test_parallel_tool_calls_overlap_with_one_stall_each_in_model_order():
-    # the first call is the slowest: serial execution would take 0.5 + 0.4 + 0.3 = 1.2 s
+    # the first call is the slowest: run one after another they would finish in model order
     app = _app({1: 0.5, 2: 0.4, 3: 0.3})
     llm = tc.ScriptedLLM({"researcher": _parallel_script()})
     rec = tc.StallRecorder()
-    t0 = time.perf_counter()
     result = await app.run(llm=llm, stall=rec)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 0.9, elapsed
 
-    # one begin/end pair per call, all begun before any ended (they overlapped)
+    # one begin/end pair per call, all begun before any ended (they overlapped; no wall-clock
+    # bound, which a loaded machine would break)
     pairs = rec.pairs()
     assert [b.tool for b, _ in pairs] == ["fetch", "fetch", "blocking"]
     assert all(e is not None and e.outcome == "ok" for _, e in pairs)
