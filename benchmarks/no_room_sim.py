@@ -160,7 +160,7 @@ def main() -> int:
     doc = {
         "kind": "sim-no-room",
         "versions": versions(),
-        "profile": "cpu-measured",
+        "profile": PROFILE,
         "system": "tokencake",
         "rows": rows,
     }
