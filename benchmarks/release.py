@@ -26,9 +26,10 @@ kept under ``attempts`` and runs again on the next call.
 Plans (``release_plan.py``): ``full`` is every workload on every system (about 8 h on 2 cores from
 the stored runs' medians); ``default`` (about 5 h) cuts what does not bear on the acceptance. The
 plan is fixed at creation; ``--plan-only`` and ``--status`` print the estimate; the table says what
-was cut. Summaries and the table (``release_report.py``) are written when a run finishes the set;
-a run that stops with units left writes neither, so a partial set never replaces the published
-table (``--summarize`` writes them from the finished units, listing every unfinished one).
+was cut. Summaries (``release_report.py``) and the tables (``release_table.py``) are written when a
+run finishes the set; a run that stops with units left writes neither, so a partial set never
+replaces the published table (``--summarize`` writes them from the finished units, listing every
+unfinished one).
 """
 
 from __future__ import annotations
@@ -389,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _summarize(args: argparse.Namespace) -> int:
-    from release_report import write_all  # type: ignore[import-not-found]
+    from release_table import write_all  # type: ignore[import-not-found]
 
     manifest, head = load(args.out), identity()
     head["measured_changes"] = measured_changes(

@@ -34,30 +34,26 @@ Targets (:data:`TARGETS`) are judged on the reported interval: *met* (all of it 
 (all of it on the wrong side). Every status but *met* is one generated line under the table, as is
 every cut, unfinished unit, invalid attempt, and a serving code that is no longer HEAD's.
 
-Cells are claims markers (``tokencake.bench.claims``), so ``claims --check`` keeps the table honest.
+The tables rendered from these summaries, and the docs they fill: ``release_table.py``.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokencake.bench.claims import render
 from tokencake.bench.compare import captured_fraction, compare
 from tokencake.bench.intervals import mean_ci
 from tokencake.bench.rounds import aggregate
 
-OPEN, CLOSE = "<!-- release-table -->", "<!-- /release-table -->"
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "docs" / "bench"
 #: Summaries go to ``RESULTS_DIR / SUBDIR``; claims markers name them relative to ``RESULTS_DIR``.
 SUBDIR = "release"
 SET_FILE = "set.json"
-DOCS = (ROOT / "README.md", ROOT / "docs" / "benchmarks.md")
 
 TC_REF, TC_PRIO, TC_STOCK = "tokencake/tokencake-roomy", "tokencake/baseline-priority", "tokencake/baseline"
 PRIO_REF, NO_PRESSURE = "baseline-priority/tokencake-roomy", "tokencake-roomy/ideal-priority"
@@ -359,171 +355,3 @@ def _same_serving_code(head: Mapping[str, Any] | None, ident: Mapping[str, Any])
     if "measured_changes" in head:
         return not head["measured_changes"]
     return head["tokencake_tree"] == ident["tokencake_tree"]
-
-
-def _m(file: str, path: str, fmt: str) -> str:
-    """A claims marker; :func:`tokencake.bench.claims.render` fills its value."""
-    return f"<!--bench {SUBDIR}/{file} {path} {fmt}-->?<!--/bench-->"
-
-
-def _cell(x: Mapping[str, Any], key: str) -> str:
-    """A ratio's cell of workload summary ``x``: the reported ratio and interval, or — if not run."""
-    return _m(f"{x['workload']}.json", f"ratios|{key}|reported", "pci3") if key in x["ratios"] else "—"
-
-
-def _share(x: Mapping[str, Any], key: str) -> str:
-    return _m(f"{x['workload']}.json", f"{key}|pooled", ".0%") if x[key]["pooled"] is not None else "—"
-
-
-LEGEND = (
-    "Ratios of mean app E2E (lower is better), 95 % intervals spanning the paired-by-app bootstrap and "
-    "the round-level t interval. Reference: `tokencake-roomy`, TokenCake's own scheduler with device KV "
-    "that never evicts; stock+priority: stock vLLM with `--scheduling-policy priority`; stock: stock "
-    "vLLM FCFS. Captured: the share of stock+priority's loss against the reference that TokenCake "
-    "avoids, its remaining loss clipped at 0 (≤ 100 %; TokenCake / reference < 1 says it was faster). "
-    "Ready: stalls whose KV was on device at the next turn; recomputed: the share of the resumed prefix "
-    "computed again."
-)
-
-
-def table(index: Mapping[str, Any], summaries: Sequence[Mapping[str, Any]]) -> str:
-    """The block between the release-table markers, with claims markers not yet rendered."""
-    head = (
-        f"Release run set (`benchmarks/release.sh`, plan {_m(SET_FILE, 'plan|name', 's')}): serving code "
-        f"{_m(SET_FILE, 'identity|commit', '.7s')}, {_m(SET_FILE, 'units|done', 'd')} of "
-        f"{_m(SET_FILE, 'units|planned', 'd')} units (one round of one workload: every system on a fresh "
-        "server, in a balanced order)"
-    )
-    if index.get("provenance"):
-        head += (
-            f"; vLLM {_m(SET_FILE, 'provenance|versions|vllm', 's')}, torch "
-            f"{_m(SET_FILE, 'provenance|versions|torch', 's')}, "
-            f"{_m(SET_FILE, 'provenance|machine|cpu_model', 's')}"
-        )
-    lines = [
-        head + ".",
-        LEGEND,
-        "",
-        "| workload | rounds | TokenCake / reference | TokenCake / stock+priority | TokenCake / stock "
-        "| captured | ready | recomputed |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    pressure = [x for x in summaries if x["role"] == "pressure"]
-    for x in pressure:
-        f = f"{x['workload']}.json"
-        cap = _m(f, "captured|reported", "ci%") if (x["captured"] or {}).get("value") is not None else "—"
-        lines.append(
-            f"| {x['workload']} | {_m(f, 'rounds|done', 'd')} | {_cell(x, TC_REF)} | {_cell(x, TC_PRIO)} "
-            f"| {_cell(x, TC_STOCK)} | {cap} | {_share(x, 'readiness')} | {_share(x, 'recomputed')} |"
-        )
-    with_policies = [x for x in pressure if any(k in x["ratios"] for k in POLICY_PAIRS)]
-    if with_policies:
-        names = " | ".join(k.split("/")[1] for k in POLICY_PAIRS)
-        lines += ["", f"| TokenCake / | {names} |", "|---" * (1 + len(POLICY_PAIRS)) + "|"]
-        for x in with_policies:
-            lines.append(f"| {x['workload']} | " + " | ".join(_cell(x, k) for k in POLICY_PAIRS) + " |")
-    lines.append("")
-    for x in summaries:
-        if x["role"] == "no-pressure" and NO_PRESSURE in x["ratios"]:
-            lines.append(
-                f"No-pressure cost ({x['title']}): reference / stock+priority with the same KV "
-                f"{_cell(x, NO_PRESSURE)} over {_m(x['workload'] + '.json', 'rounds|done', 'd')} rounds."
-            )
-    draws = [
-        f"{x['workload']} seed {_m(x['workload'] + '.json', 'draw|seed', 'd')}"
-        for x in summaries
-        if x["draw"]
-    ]
-    if draws:
-        lines.append(
-            f"Fresh draws (`benchmarks/unseen_real.py`, seeds drawn for this set): {', '.join(draws)}."
-        )
-    lines += ["", "Not met, not established or not measured:", ""]
-    lines += [f"- {item}" for item in not_met(index, summaries)]
-    return "\n".join(lines)
-
-
-def not_met(index: Mapping[str, Any], summaries: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line per target that some workload does not meet, then the set's cuts and gaps."""
-    out = []
-    for t in TARGETS:
-        by_status: dict[str, list[str]] = {}
-        for x in summaries:
-            got = x["targets"].get(t.label)
-            if got and got["status"] != "met":
-                quoted = got["status"] not in ("not measured", NOTHING_TO_CAPTURE)
-                cell = _m(f"{x['workload']}.json", t.path, t.fmt) if quoted else ""
-                by_status.setdefault(got["status"], []).append(f"{x['workload']} {cell}".strip())
-        if by_status:
-            parts = [f"{status} on {', '.join(names)}" for status, names in by_status.items()]
-            out.append(f"{t.label}: " + "; ".join(parts) + ".")
-    plan = index["plan"]
-    out += [f"Cut from the full set (time): {c}." for c in plan["cut"]]
-    out.append(
-        "Not in the set: "
-        + ", ".join(f"the `{name}` preset ({why})" for name, why in plan["not_in_set"].items())
-        + "."
-    )
-    short = [
-        f"{w['name']} ({w['rounds_done']}/{w['rounds_planned']})"
-        for w in index["workloads"]
-        if w["rounds_done"] < w["rounds_planned"]
-    ]
-    if short:
-        out.append(f"Not finished: {', '.join(short)} rounds done.")
-    if index["units"]["invalid"]:
-        out.append(
-            f"{index['units']['invalid']} unit run(s) were not valid and ran again (manifest `attempts`)."
-        )
-    if index.get("serving_code_is_head") is False:
-        out.append(
-            "The set's serving code (`tokencake/` tree) is not HEAD's: these numbers are of an older code."
-        )
-    if (index.get("provenance") or {}).get("dirty"):
-        out.append("A unit ran with uncommitted changes in `tokencake/`.")
-    return out
-
-
-_BLOCK = re.compile(re.escape(OPEN) + r".*?" + re.escape(CLOSE), re.S)
-
-
-def fill(text: str, block: str) -> str:
-    """``text`` with everything between the release-table markers replaced by ``block``."""
-    if len(_BLOCK.findall(text)) != 1:
-        raise ValueError(f"want exactly one {OPEN} … {CLOSE} block")
-    return _BLOCK.sub(lambda _m: f"{OPEN}\n{block}\n{CLOSE}", text)
-
-
-def write_all(
-    manifest: Mapping[str, Any],
-    out: Path,
-    *,
-    docs: Sequence[Path] | None = None,
-    strict: bool = False,
-    results_dir: Path = RESULTS_DIR,
-    head: Mapping[str, Any] | None = None,
-) -> list[str]:
-    """Write the summaries under ``results_dir / SUBDIR`` and fill the table in ``docs`` (default
-    :data:`DOCS`; a file without the markers is a ValueError when ``strict``, else skipped);
-    ``head``: the checkout's serving-code identity now. Returns what it did, one line each."""
-    index, summaries = summarize(manifest, out, head)
-    dest = results_dir / SUBDIR
-    dest.mkdir(parents=True, exist_ok=True)
-    done = []
-    for name, data in [(SET_FILE, index), *((f"{x['workload']}.json", x) for x in summaries)]:
-        (dest / name).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-        done.append(f"wrote {dest / name}")
-    block = render(table(index, summaries), results_dir, where="release table")
-    for path in docs if docs is not None else DOCS:
-        text = path.read_text()
-        try:
-            new = fill(text, block)
-        except ValueError as exc:
-            if strict:
-                raise ValueError(f"{path}: {exc}") from None
-            done.append(f"skipped {path}: {exc}")
-            continue
-        if new != text:
-            path.write_text(new)
-        done.append(f"{'updated' if new != text else 'unchanged'} {path}")
-    return done

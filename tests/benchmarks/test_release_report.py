@@ -1,5 +1,6 @@
-"""``benchmarks/release_report.py``: captured against the reference never above 100 %, intervals that
-span both, targets judged, the table block rewritten idempotently with valid claims markers."""
+"""``benchmarks/release_report.py`` and ``release_table.py``: captured against the reference never above
+100 %, intervals that span both, targets judged, the full and brief table blocks rewritten
+idempotently with valid claims markers."""
 
 import importlib
 import itertools
@@ -17,6 +18,7 @@ _DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(_DIR))
 try:
     report = importlib.import_module("release_report")
+    tables = importlib.import_module("release_table")
 finally:
     sys.path.remove(str(_DIR))
 
@@ -170,9 +172,9 @@ def test_the_table_block_is_rewritten_idempotently_with_valid_claims_markers(tmp
     manifest, out = _manifest(tmp_path)
     results = tmp_path / "bench"
     doc = tmp_path / "README.md"
-    doc.write_text(f"# Title\n\n{report.OPEN}\nanything\n{report.CLOSE}\n\nrest\n")
+    doc.write_text(f"# Title\n\n{tables.OPEN}\nanything\n{tables.CLOSE}\n\nrest\n")
     head = {"tokencake_tree": "t1", "commit": "d00d"}
-    done = report.write_all(manifest, out, docs=[doc], strict=True, results_dir=results, head=head)
+    done = tables.write_all(manifest, out, docs=[doc], strict=True, results_dir=results, head=head)
     assert done[-1] == f"updated {doc}"
     text = doc.read_text()
     assert text.startswith("# Title\n\n") and text.endswith("\n\nrest\n") and "anything" not in text
@@ -185,10 +187,32 @@ def test_the_table_block_is_rewritten_idempotently_with_valid_claims_markers(tmp
     assert "TokenCake / reference ≤ 1.10: missed on draw-1 1.300 [" in shown
     assert "Cut from the full set (time): policies not run on the draws." in shown
     assert "fresh draws" in shown.lower() and "draw-1 seed 123456789" in shown
-    again = report.write_all(manifest, out, docs=[doc], strict=True, results_dir=results, head=head)
+    again = tables.write_all(manifest, out, docs=[doc], strict=True, results_dir=results, head=head)
     assert again[-1] == f"unchanged {doc}" and doc.read_text() == text
     sizes = sum(p.stat().st_size for p in (results / report.SUBDIR).iterdir())
     assert sizes < 100_000
+
+
+def test_a_brief_block_gets_the_main_columns_and_unmet_targets_without_numbers(tmp_path):
+    manifest, out = _manifest(tmp_path, rounds=2)
+    manifest["plan"]["rounds"] = 3  # one round of each workload left
+    results = tmp_path / "bench"
+    brief, full = tmp_path / "README.md", tmp_path / "benchmarks.md"
+    brief.write_text(f"{tables.OPEN_BRIEF}\nold\n{tables.CLOSE}\n")
+    full.write_text(f"{tables.OPEN}\nold\n{tables.CLOSE}\n")
+    head = {"tokencake_tree": "t2", "commit": "d00d"}
+    tables.write_all(manifest, out, docs=[brief, full], strict=True, results_dir=results, head=head)
+    text = brief.read_text()
+    assert text.startswith(tables.OPEN_BRIEF + "\n") and text.endswith(tables.CLOSE + "\n")
+    assert render(text, results) == text and all(f.startswith("release/") for f, *_ in claims(text))
+    shown = re.sub(r"<!--/?bench[^>]*-->", "", text)
+    assert "| ci | 1.067 [" in shown and "| draw-1 | 1.300 [" in shown and "offload-all" not in shown
+    assert "No-pressure cost, reference / stock+priority with the same KV: 1.013 [" in shown
+    assert "- TokenCake / reference ≤ 1.10: missed on draw-1." in shown  # the status, not the number
+    assert "Not finished: ci (2/3), draw-1 (2/3), no-pressure (2/3) rounds done." in shown
+    assert "not HEAD's" in shown and "123456789" not in shown and "Cut from" not in shown
+    assert tables.block_style(full.read_text()) == "full" and tables.block_style(text) == "brief"
+    assert len(text) < len(full.read_text())
 
 
 def test_a_file_without_the_markers_is_skipped_or_refused(tmp_path):
@@ -196,14 +220,14 @@ def test_a_file_without_the_markers_is_skipped_or_refused(tmp_path):
     plain = tmp_path / "plain.md"
     plain.write_text("no table here\n")
     kw = {"results_dir": tmp_path / "bench", "head": {"tokencake_tree": "other", "commit": "x"}}
-    done = report.write_all(manifest, out, docs=[plain], **kw)
+    done = tables.write_all(manifest, out, docs=[plain], **kw)
     assert done[-1].startswith(f"skipped {plain}") and plain.read_text() == "no table here\n"
     with pytest.raises(ValueError, match="exactly one"):
-        report.write_all(manifest, out, docs=[plain], strict=True, **kw)
+        tables.write_all(manifest, out, docs=[plain], strict=True, **kw)
     with pytest.raises(ValueError, match="exactly one"):
-        report.fill(f"{report.OPEN}\n{report.CLOSE}\n{report.OPEN}\n{report.CLOSE}\n", "x")
+        tables.fill(f"{tables.OPEN}\n{tables.CLOSE}\n{tables.OPEN_BRIEF}\n{tables.CLOSE}\n", "x")
     index, summaries = report.summarize(manifest, out, kw["head"])
-    lines = report.not_met(index, summaries)
+    lines = tables.not_met(index, summaries)
     assert any("not HEAD's" in line for line in lines)
 
 
