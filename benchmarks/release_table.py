@@ -50,6 +50,12 @@ def _cell(x: Mapping[str, Any], key: str) -> str:
     return _m(f"{x['workload']}.json", f"ratios|{key}|reported", "pci3") if key in x["ratios"] else "—"
 
 
+def _captured(x: Mapping[str, Any]) -> str:
+    """Workload summary ``x``'s captured cell, or — where there was nothing to capture."""
+    has = (x["captured"] or {}).get("value") is not None
+    return _m(f"{x['workload']}.json", "captured|reported", "ci%") if has else "—"
+
+
 def _share(x: Mapping[str, Any], key: str) -> str:
     return _m(f"{x['workload']}.json", f"{key}|pooled", ".0%") if x[key]["pooled"] is not None else "—"
 
@@ -90,10 +96,10 @@ def table(index: Mapping[str, Any], summaries: Sequence[Mapping[str, Any]]) -> s
     pressure = [x for x in summaries if x["role"] == "pressure"]
     for x in pressure:
         f = f"{x['workload']}.json"
-        cap = _m(f, "captured|reported", "ci%") if (x["captured"] or {}).get("value") is not None else "—"
         lines.append(
             f"| {x['workload']} | {_m(f, 'rounds|done', 'd')} | {_cell(x, TC_REF)} | {_cell(x, TC_PRIO)} "
-            f"| {_cell(x, TC_STOCK)} | {cap} | {_share(x, 'readiness')} | {_share(x, 'recomputed')} |"
+            f"| {_cell(x, TC_STOCK)} | {_captured(x)} | {_share(x, 'readiness')} "
+            f"| {_share(x, 'recomputed')} |"
         )
     with_policies = [x for x in pressure if any(k in x["ratios"] for k in POLICY_PAIRS)]
     if with_policies:
@@ -147,11 +153,9 @@ def brief_table(index: Mapping[str, Any], summaries: Sequence[Mapping[str, Any]]
     for x in summaries:
         if x["role"] != "pressure":
             continue
-        f = f"{x['workload']}.json"
-        cap = _m(f, "captured|reported", "ci%") if (x["captured"] or {}).get("value") is not None else "—"
         lines.append(
             f"| {x['workload']} | {_cell(x, TC_REF)} | {_cell(x, TC_PRIO)} | {_cell(x, TC_STOCK)} "
-            f"| {cap} | {_share(x, 'readiness')} | {_share(x, 'recomputed')} |"
+            f"| {_captured(x)} | {_share(x, 'readiness')} | {_share(x, 'recomputed')} |"
         )
     lines.append("")
     for x in summaries:
