@@ -14,8 +14,9 @@ holds everything that fixes the set: the serving code (the commit and the git tr
 bench`` arguments, the plan (every unit with its system order) and each finished unit. A rerun
 continues with the units not done; it refuses (one line) when ``tokencake/`` has uncommitted
 changes or its tree differs from the manifest's, so every unit measures the same code. Commits that
-leave ``tokencake/`` alone (docs, these scripts), or change only what no measured process imports
-(:data:`UNMEASURED`: the simulator), do not break the set; each unit records the tree it ran at.
+leave ``tokencake/`` alone (docs, these scripts), change only what no measured process imports
+(:data:`UNMEASURED`: the simulator) or only text a reader sees (docstrings, comments, help texts) do
+not break the set; each unit records the tree it ran at.
 
 The fresh draws are ``benchmarks/unseen_real.py`` workloads whose seeds are drawn with ``secrets``
 at creation and refused when the draw's seed or its workload seed appears anywhere in docs/
@@ -35,6 +36,7 @@ unfinished one).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import secrets
@@ -103,12 +105,56 @@ def identity(root: Path = ROOT) -> dict[str, Any]:
     }
 
 
+#: Keyword arguments whose string only a reader sees (``argparse`` help texts).
+_READER_KEYWORDS = frozenset({"help", "description", "epilog"})
+
+
+def _behaviour(source: str) -> str | None:
+    """The AST of a module without what only a reader sees (docstrings, comments, help texts), or
+    None where it does not parse: two sources with the same result run the same."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            body[0] = ast.Pass()
+        if isinstance(node, ast.Call):
+            node.keywords = [k for k in node.keywords if k.arg not in _READER_KEYWORDS]
+    return ast.dump(tree)
+
+
+def _same_behaviour(recorded_tree: str, tree: str, name: str, root: Path) -> bool:
+    """Whether ``name`` is a Python file in both trees whose two versions differ only in text a
+    reader sees."""
+    if not name.endswith(".py"):
+        return False
+    try:
+        old, new = (_git(root, "show", f"{t}:{name}") for t in (recorded_tree, tree))
+    except ReleaseError:  # added or removed
+        return False
+    before = _behaviour(old)
+    return before is not None and before == _behaviour(new)
+
+
 def measured_changes(recorded_tree: str, tree: str, root: Path = ROOT) -> list[str]:
-    """Files of ``tokencake/`` that differ between two of its trees outside :data:`UNMEASURED`."""
+    """Files of ``tokencake/`` that differ between two of its trees outside :data:`UNMEASURED` in
+    more than docstrings, comments and help texts."""
     if recorded_tree == tree:
         return []
     names = _git(root, "diff", "--name-only", recorded_tree, tree).splitlines()
-    return [n for n in names if not f"tokencake/{n}".startswith(UNMEASURED)]
+    return [
+        n
+        for n in names
+        if not f"tokencake/{n}".startswith(UNMEASURED) and not _same_behaviour(recorded_tree, tree, n, root)
+    ]
 
 
 def check_identity(recorded: Mapping[str, Any] | None, now: Mapping[str, Any], root: Path = ROOT) -> None:

@@ -243,6 +243,32 @@ def test_a_change_only_where_no_measured_process_imports_keeps_the_set(repo, tmp
         release.run(out, root=repo, bench=stub, log=lambda _s: None)
 
 
+def test_a_change_only_in_text_a_reader_sees_keeps_the_set(repo, tmp_path):
+    cli = repo / "tokencake" / "cli.py"
+    cli.write_text(
+        '"""The CLI."""\nimport argparse\n\n\ndef parser():\n    """One."""\n'
+        '    p = argparse.ArgumentParser(description="d")\n'
+        '    p.add_argument("--n", type=int, default=1, help="a number")  # note\n    return p\n'
+    )
+    _commit(repo)
+    out = tmp_path / "set"
+    _create(repo, out)
+    stub = Stub()
+    source = cli.read_text()
+    cli.write_text(
+        source.replace('"""One."""', '"""Two."""')
+        .replace('help="a number"', 'help="how many (e.g. 3)"')
+        .replace('description="d"', 'description="e"')
+        .replace("# note", "# other")
+    )
+    _commit(repo)
+    release.run(out, root=repo, bench=stub, only=["ci"], log=lambda _s: None)
+    cli.write_text(cli.read_text().replace("default=1", "default=2"))
+    _commit(repo)
+    with pytest.raises(release.ReleaseError, match=r"tokencake/cli\.py"):
+        release.run(out, root=repo, bench=stub, log=lambda _s: None)
+
+
 def test_no_measured_process_imports_what_the_set_may_change():
     """``release.UNMEASURED`` (the simulator) is imported only by itself, the ``tokencake sim``
     command and ``tokencake run --trace`` (which writes a simulator trace): not by the bench client

@@ -69,7 +69,7 @@ class Overrides:
     kv_interval_s: float | None = None
     #: Interleaved rounds; None = the preset's default (:data:`HEADLINE_REPEAT` for headline presets).
     repeat: int | None = None
-    #: Keep the configured system order in every round (default: a seeded shuffle per round).
+    #: Keep the configured system order in every round (default: rows of seeded Latin squares).
     fixed_order: bool = False
     warmup: bool = True
     #: Worker agents per app (``stress``).

@@ -59,7 +59,7 @@ def register(subparsers: Any) -> None:
             "(continuum + its queue order), replicas-affinity and replicas-round-robin (2 replicas "
             "behind vllm-router). NAME@REV is system NAME whose server imports tokencake from git "
             "revision REV of this checkout, with this code's launcher, flags, workload and client "
-            "(e.g. tokencake@945f1b2,tokencake: before and after a change); see docs/benchmarks.md"
+            "(e.g. tokencake@HEAD~1,tokencake: before and after the last commit); see docs/benchmarks.md"
         ),
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -95,13 +95,15 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--repeat",
         type=int,
-        help="interleaved rounds: every system runs every point once per round, in a seeded random order "
-        "(default 5 for headroom and stress, whose numbers are headlines; 1 otherwise)",
+        help="interleaved rounds: every system runs every point once per round, in an order from a seeded "
+        "Latin square, each system in each position equally often (default 5 for headroom and stress, "
+        "whose numbers are headlines; 1 otherwise)",
     )
     p.add_argument(
         "--fixed-order",
         action="store_true",
-        help="run the systems in the --systems order in every round instead of a seeded shuffle",
+        help="run the systems in the --systems order in every round instead of the seeded Latin-square "
+        "orders",
     )
     p.add_argument(
         "--no-warmup",
