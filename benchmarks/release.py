@@ -127,7 +127,11 @@ def _behaviour(source: str) -> str | None:
         ):
             body[0] = ast.Pass()
         if isinstance(node, ast.Call):
-            node.keywords = [k for k in node.keywords if k.arg not in _READER_KEYWORDS]
+            node.keywords = [
+                k
+                for k in node.keywords
+                if k.arg not in _READER_KEYWORDS or not isinstance(k.value, (ast.Constant, ast.JoinedStr))
+            ]
     return ast.dump(tree)
 
 
